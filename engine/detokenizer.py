@@ -1,0 +1,56 @@
+"""Incremental detokenization and stop strings, one instance per request.
+
+Byte-level tokens can split a UTF-8 character, so new text is released only once it decodes without a
+replacement character (the prefix/read offsets below). Stop strings cut the text exactly before the
+first match; while a request runs, the last len(longest stop) - 1 characters are held back from the
+stream, since they might be the start of a stop string.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, stop_strings: tuple[str, ...] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop_strings = stop_strings
+        self.holdback = max((len(s) for s in stop_strings), default=1) - 1
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.stopped = False  # a stop string was found; text is final
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def append(self, new_token_ids: list[int], final: bool = False) -> None:
+        """Add tokens; when final, release whatever is left even if it ends mid-character."""
+        if self.stopped:
+            return
+        self.token_ids.extend(new_token_ids)
+        prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self.token_ids[self._prefix_offset :])
+        if len(full_text) > len(prefix_text) and (final or not full_text.endswith("\ufffd")):
+            delta = full_text[len(prefix_text) :]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self.token_ids)
+            self._add_text(delta)
+
+    def _add_text(self, delta: str) -> None:
+        if not self.stop_strings:
+            self.text += delta
+            return
+        search_from = max(0, len(self.text) - self.holdback)
+        self.text += delta
+        found = [i for i in (self.text.find(s, search_from) for s in self.stop_strings) if i >= 0]
+        if found:
+            self.text = self.text[: min(found)]
+            self.stopped = True
+
+    def visible_text(self, finished: bool) -> str:
+        """What may be shown now: all of it when finished, else all but the held-back tail."""
+        if finished or self.stopped or not self.holdback:
+            return self.text
+        return self.text[: max(0, len(self.text) - self.holdback)]

@@ -1,0 +1,230 @@
+"""The step-level engine the server drives: add requests, step, abort, read incremental outputs.
+
+One step reads like its description (`step`): the scheduler picks sequences and token counts, the
+runner turns them into tensors and samples, the scheduler applies the tokens, and the detokenizers
+turn them into text and apply stop strings. Not thread-safe: one thread owns the engine; only
+`validate` may be called from elsewhere.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer
+
+from engine.block_allocator import BlockAllocator
+from engine.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import InvalidRequestError
+from engine.runner import CPU_DEFAULT_KV_CACHE_MEMORY, ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+
+@dataclass
+class RequestOutput:
+    """A request's progress after a step: the delta since the last output and the totals so far."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    new_token_ids: list[int]
+    text: str
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+
+
+@dataclass
+class _RequestState:
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    num_sent_tokens: int = 0
+    num_sent_chars: int = 0
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for, but torch sees no CUDA device")
+    return resolved
+
+
+def resolve_dtype(dtype: str, config_dtype: str, device: torch.device) -> torch.dtype:
+    """auto: the checkpoint's dtype on GPU, float32 on CPU (CPU half-precision matmuls are slow and inexact)."""
+    if dtype == "auto":
+        name = config_dtype if device.type == "cuda" else "float32"
+    else:
+        name = dtype
+    aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32", "fp32": "float32"}
+    name = aliases.get(name, name)
+    if name not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype {dtype!r} is not supported (float32, bfloat16, float16 or auto)")
+    return getattr(torch, name)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        self.model_config = ModelConfig.from_dir(args.model)
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.model_config.dtype, self.device)
+        self.max_model_len = args.max_model_len or self.model_config.max_position_embeddings
+        if self.max_model_len > self.model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {self.model_config.max_position_embeddings}")
+        self.max_num_batched_tokens = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        if self.max_num_batched_tokens < args.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({args.max_num_seqs}), so every running sequence can decode in one step")
+        torch.manual_seed(args.seed)
+        self.tokenizer = AutoTokenizer.from_pretrained(args.model)
+        self.runner = ModelRunner(self.model_config, args.model, self.device, self.dtype, self.max_model_len, args.block_size, args.seed)
+        num_blocks = self._num_kv_blocks()
+        if num_blocks * args.block_size < self.max_model_len:
+            raise ValueError(f"the KV cache holds {num_blocks * args.block_size} tokens, fewer than max_model_len {self.max_model_len}: give it more memory or lower max_model_len")
+        self.runner.allocate_kv_cache(num_blocks)
+        self.cache_config = CacheConfig(block_size=args.block_size, num_blocks=num_blocks)
+        self.scheduler_config = SchedulerConfig(args.max_num_seqs, self.max_num_batched_tokens, self.max_model_len)
+        self.allocator = BlockAllocator(num_blocks, args.block_size)
+        self.scheduler = Scheduler(self.scheduler_config, self.allocator, self.model_config.eos_token_ids)
+        self._requests: dict[str, _RequestState] = {}
+        self._seq_ids = itertools.count()
+        logger.info("engine ready: %s on %s in %s, %d KV blocks of %d tokens", args.model, self.device, self.dtype, num_blocks, args.block_size)
+
+    def _num_kv_blocks(self) -> int:
+        args = self.args
+        if args.num_kv_blocks is not None:
+            return args.num_kv_blocks
+        if args.kv_cache_memory is not None:
+            return args.kv_cache_memory // self.runner.block_bytes
+        if self.device.type == "cuda":
+            return self.runner.measure_num_blocks(args.gpu_memory_utilization, self.max_num_batched_tokens, args.max_num_seqs)
+        return CPU_DEFAULT_KV_CACHE_MEMORY // self.runner.block_bytes
+
+    # -- requests --------------------------------------------------------------------------------
+    def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """Tokenize and check a request; raises InvalidRequestError naming the field. Thread-safe."""
+        params.validate()
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty", "prompt")
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        elif isinstance(prompt, list | tuple) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            token_ids = list(prompt)
+        else:
+            raise InvalidRequestError("prompt must be a string or a list of token ids", "prompt")
+        if not token_ids:
+            raise InvalidRequestError("prompt is empty", "prompt")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "prompt")
+        if len(token_ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context of {self.max_model_len} tokens",
+                "max_tokens" if len(token_ids) < self.max_model_len else "prompt",
+            )
+        return token_ids
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, arrival_time: float | None = None) -> None:
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        token_ids = self.validate(prompt, params)
+        seq = Sequence(next(self._seq_ids), request_id, token_ids, params, arrival_time or time.monotonic())
+        self.scheduler.add(seq)
+        self._requests[request_id] = _RequestState(seq, IncrementalDetokenizer(self.tokenizer, params.stop_strings))
+
+    def abort(self, request_id: str) -> bool:
+        """End a request now and give its blocks back; False if it is unknown or already done."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return False
+        self.scheduler.abort(request_id)
+        self.runner.release(state.seq.seq_id)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one step --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return []
+        batch = self.runner.prepare(scheduled, {s.seq.seq_id: self.allocator.block_table(s.seq.seq_id) for s in scheduled.scheduled})
+        token_ids = self.runner.execute(batch)
+        self.scheduler.update(scheduled, token_ids)
+        return self._outputs(scheduled)
+
+    def _outputs(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
+        outputs = []
+        for item in scheduled.scheduled:
+            if not item.samples:
+                continue
+            state = self._requests.get(item.seq.request_id)
+            if state is None:  # aborted during the step
+                continue
+            seq = state.seq
+            new_ids = seq.output_token_ids[state.num_sent_tokens :]
+            state.detokenizer.append(new_ids, final=seq.is_finished)
+            if state.detokenizer.stopped and not seq.is_finished:
+                self.scheduler.finish(seq, "stop")
+            finished = seq.is_finished
+            text = state.detokenizer.visible_text(finished)
+            outputs.append(
+                RequestOutput(
+                    request_id=seq.request_id,
+                    prompt_token_ids=seq.prompt_token_ids,
+                    token_ids=list(seq.output_token_ids),
+                    new_token_ids=new_ids,
+                    text=text,
+                    new_text=text[state.num_sent_chars :],
+                    finished=finished,
+                    finish_reason=seq.finish_reason,
+                )
+            )
+            state.num_sent_tokens = len(seq.output_token_ids)
+            state.num_sent_chars = len(text)
+            if finished:
+                del self._requests[seq.request_id]
+                self.runner.release(seq.seq_id)
+        return outputs
+
+    # -- introspection ---------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, self.allocator.num_used_blocks, self.allocator.num_blocks)
+
+    def config_dict(self) -> dict[str, Any]:
+        """Every option in force, with derived values filled in."""
+        config = self.args.as_dict()
+        config.update(
+            num_kv_blocks=self.cache_config.num_blocks,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device),
+        )
+        return config

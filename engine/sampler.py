@@ -1,0 +1,49 @@
+"""Token selection from the last hidden state's logits: greedy, temperature, top-k, top-p, seeds.
+
+Greedy rows take the argmax in one batched op. Random rows are scaled, filtered by top-k then top-p,
+and drawn with each sequence's own torch.Generator, so a seeded request gets the same tokens whatever
+else shares its batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask with -inf what top-k and top-p remove. logits [rows, vocab]; top_k [rows] (<=0: off); top_p [rows].
+
+    The nucleus is the smallest set of most likely tokens whose probability reaches top_p; the most
+    likely token always stays.
+    """
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
+    remove = ranks >= k[:, None]
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above each one
+    remove |= mass_before >= top_p[:, None]
+    remove[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
+    """logits [rows, vocab] float32 -> one token id per row."""
+    tokens = logits.argmax(dim=-1)
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if random_rows:
+        index = torch.tensor(random_rows, device=logits.device)
+        rows = logits[index]
+        temperature = torch.tensor([params[i].temperature for i in random_rows], device=logits.device)
+        top_k = torch.tensor([params[i].top_k for i in random_rows], device=logits.device)
+        top_p = torch.tensor([params[i].top_p for i in random_rows], device=logits.device, dtype=rows.dtype)
+        rows = apply_top_k_top_p(rows / temperature[:, None], top_k, top_p)
+        probs = rows.softmax(dim=-1)
+        for j, i in enumerate(random_rows):
+            tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
+    return tokens.tolist()

@@ -1,0 +1,56 @@
+"""Per-request generation settings, named and defaulted as in vLLM's SamplingParams.
+
+The engine validates them once, when a request is added (`validate`), so that a bad value is
+reported to the caller before anything is scheduled; the sampler and the stop checker only read them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.errors import InvalidRequestError
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    temperature 0 means greedy. top_k of 0 or -1 disables top-k; top_p of 1.0 disables the nucleus.
+    `seed` makes one request reproducible whatever else is in the batch.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stop_strings: tuple[str, ...] = field(init=False, default=())
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop_strings = (self.stop,)
+        elif self.stop:
+            self.stop_strings = tuple(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self) -> None:
+        """Raise InvalidRequestError naming the first bad field."""
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
+        if self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}", "temperature")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise InvalidRequestError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k}", "top_k")
+        if any(not isinstance(s, str) or not s for s in self.stop_strings):
+            raise InvalidRequestError("stop must be a non-empty string or a list of non-empty strings", "stop")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):
+            raise InvalidRequestError("stop_token_ids must be non-negative integers", "stop_token_ids")
