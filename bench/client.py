@@ -1,0 +1,129 @@
+"""One streaming completion request over HTTP, turned into a `RequestRow`.
+
+The runner calls `send_request` for every request of a level; it speaks only the OpenAI completions
+API (`POST {base_url}/completions`, SSE `data:` lines), so this project's server and vLLM are measured
+through the very same code. Probes that describe the server before a run live in `bench.probe`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from bench.metrics import RequestRow
+from bench.workload import Request
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where to send requests. `base_url` ends with the API prefix, e.g. http://127.0.0.1:8000/v1."""
+
+    base_url: str
+    model: str
+    target: str = ""
+    api_key: str | None = None
+    timeout_s: float = 600.0
+
+    @property
+    def root_url(self) -> str:
+        """The server root (`base_url` without a trailing /v1), where `/version` lives."""
+        url = self.base_url.rstrip("/")
+        return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def make_http_client(endpoint: Endpoint) -> httpx.AsyncClient:
+    """An async client with no connection cap: in an open loop every due request must go out at once."""
+    headers = {"Authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    return httpx.AsyncClient(timeout=endpoint.timeout_s, limits=limits, headers=headers)
+
+
+def request_body(model: str, request: Request) -> dict[str, object]:
+    """The body both servers get: greedy, EOS ignored so every request generates its whole budget."""
+    return {
+        "model": model,
+        "prompt": request.prompt,
+        "max_tokens": request.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def send_request(
+    http: httpx.AsyncClient,
+    endpoint: Endpoint,
+    request: Request,
+    row: RequestRow,
+    clock_zero: float,
+) -> RequestRow:
+    """Stream one completion and fill `row` (whose identity and scheduled_s the caller set) in place.
+
+    Times are `time.monotonic() - clock_zero`. Every network read is stamped once; each chunk that
+    carries a choice counts as one arrival (a busy server may pack several tokens in a chunk). Output
+    tokens come from the final `usage` when the server sends it, else from the number of such chunks.
+    A request never raises: failures become `status` and `error` on the row.
+    """
+    body = request_body(endpoint.model, request)
+    row.sent_s = time.monotonic() - clock_zero
+    usage_tokens: int | None = None
+    last_chunk: float | None = None
+    saw_done = False
+    try:
+        async with http.stream("POST", f"{endpoint.base_url}/completions", json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                return _fail(row, f"http_{response.status_code}", text[:500], clock_zero)
+            pending = b""
+            async for data in response.aiter_bytes():
+                now = time.monotonic() - clock_zero
+                lines = (pending + data).split(b"\n")
+                pending = lines.pop()
+                for line in lines:
+                    if not line.startswith(b"data:"):
+                        continue  # blank separators, comments, event: fields
+                    payload = line[5:].strip()
+                    if payload == b"[DONE]":
+                        saw_done = True
+                        continue
+                    event = json.loads(payload)
+                    if "error" in event and not event.get("choices"):
+                        return _fail(row, "server_error", json.dumps(event["error"])[:500], clock_zero)
+                    if event.get("choices"):
+                        row.chunks += 1
+                        if last_chunk is None:
+                            row.first_token_s = now
+                        else:
+                            row.itls_s.append(now - last_chunk)
+                        last_chunk = now
+                    usage = event.get("usage")
+                    if usage:
+                        usage_tokens = usage.get("completion_tokens")
+                        row.usage_prompt_tokens = usage.get("prompt_tokens")
+    except httpx.TimeoutException as exc:
+        return _fail(row, "timeout", repr(exc), clock_zero)
+    except httpx.ConnectError as exc:
+        return _fail(row, "connect", repr(exc), clock_zero)
+    except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+        return _fail(row, "stream_error", repr(exc), clock_zero)
+    except Exception as exc:  # a malformed chunk or anything else: kept as a failed row
+        return _fail(row, "error", repr(exc), clock_zero)
+    row.done_s = time.monotonic() - clock_zero
+    row.output_tokens = usage_tokens if usage_tokens is not None else row.chunks
+    if not saw_done:
+        row.status, row.error = "no_done", "stream ended without data: [DONE]"
+    elif row.output_tokens < request.max_tokens:
+        row.status = "short"
+        row.error = f"got {row.output_tokens} of {request.max_tokens} tokens"
+    return row
+
+
+def _fail(row: RequestRow, kind: str, error: str, clock_zero: float) -> RequestRow:
+    row.done_s = time.monotonic() - clock_zero
+    row.output_tokens = row.output_tokens or row.chunks
+    row.status, row.error = kind, error
+    return row

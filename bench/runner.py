@@ -1,0 +1,378 @@
+"""Drive load levels: open loop at a rate, closed loop at a concurrency, and a rate sweep to capacity.
+
+Each level builds its requests from `bench.workload`, sends them with `bench.client`, and summarises
+the rows with `bench.metrics`; `--workers N` splits a level over N processes, each with a fixed share
+(request i goes to worker i mod N). These functions are synchronous (they run their own event loop)
+and are what the CLI and the perf tier call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import multiprocessing as mp
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm import tqdm
+
+from bench.client import Endpoint, make_http_client, send_request
+from bench.metrics import RequestRow, Slo, summarize
+from bench.selfcheck import ClientLoad, ClientMonitor
+from bench.workload import Arrival, Request, WorkloadSpec, arrival_offsets, make_request
+
+SEND_LAG_WARN_S = 0.010
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """How much to send per level. `duration_s`, when set, replaces `n_requests` (arrivals for that
+    long, open loop; new requests for that long, closed loop). The first `warmup` requests of each
+    level are sent and kept in the rows, but left out of the figures."""
+
+    n_requests: int = 400
+    duration_s: float | None = None
+    warmup: int = 0
+    arrival: Arrival = "poisson"
+    burstiness: float = 1.0
+    workers: int = 1
+    slo: Slo = field(default_factory=Slo)
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """Open-loop rates from `start_rate`: double while served >= `saturation` x offered, then bisect
+    between the highest rate that kept up and the lowest that did not; stop after two rates that did
+    not keep up, after `max_levels` levels, or when the bracket is narrower than `min_ratio`."""
+
+    start_rate: float = 1.0
+    max_levels: int = 12
+    saturation: float = 0.9
+    min_ratio: float = 1.05
+
+
+@dataclass
+class LevelResult:
+    summary: dict[str, Any]  # flat keys, see bench.metrics.summarize, plus the level's identity
+    rows: list[RequestRow]
+    warnings: list[str]
+
+
+@dataclass
+class SweepResult:
+    levels: list[LevelResult]
+    capacity_req_s: float
+    capacity_still_rising: bool
+
+
+@dataclass(frozen=True)
+class _Level:
+    mode: str  # "open" or "closed"
+    rate: float | None = None
+    concurrency: int | None = None
+
+    @property
+    def label(self) -> str:
+        return f"rate {self.rate:g}/s" if self.mode == "open" else f"concurrency {self.concurrency}"
+
+
+@dataclass(frozen=True)
+class _Share:
+    """What one process sends: indices start, start+step, ... below stop (no stop: until the deadline)."""
+
+    worker: int
+    start: int
+    step: int
+    stop: int | None
+    offsets: list[float] | None  # open loop: arrival offset of each of this share's requests
+    slots: int  # closed loop: requests in flight in this process
+
+
+def run_open_loop(
+    endpoint: Endpoint,
+    workload: WorkloadSpec,
+    rate: float,
+    load: LoadConfig = LoadConfig(),
+    clock_zero: float | None = None,
+) -> LevelResult:
+    """Send requests at their scheduled arrival times whether or not the server keeps up."""
+    if load.duration_s is not None:
+        offsets = arrival_offsets(
+            rate,
+            duration_s=load.duration_s,
+            arrival=load.arrival,
+            burstiness=load.burstiness,
+            seed=workload.seed,
+        )
+    else:
+        offsets = arrival_offsets(
+            rate,
+            n=load.warmup + load.n_requests,
+            arrival=load.arrival,
+            burstiness=load.burstiness,
+            seed=workload.seed,
+        )
+    workers = max(1, min(load.workers, len(offsets)))
+    shares = [_Share(k, k, workers, len(offsets), offsets[k::workers], 0) for k in range(workers)]
+    return _run_level(endpoint, workload, _Level("open", rate=rate), load, shares, None, clock_zero)
+
+
+def run_closed_loop(
+    endpoint: Endpoint,
+    workload: WorkloadSpec,
+    concurrency: int,
+    load: LoadConfig = LoadConfig(),
+    clock_zero: float | None = None,
+) -> LevelResult:
+    """Keep `concurrency` requests in flight; a new one is due the moment one finishes."""
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    stop = None if load.duration_s is not None else load.warmup + load.n_requests
+    workers = max(1, min(load.workers, concurrency))
+    shares = [
+        _Share(k, k, workers, stop, None, concurrency // workers + (k < concurrency % workers))
+        for k in range(workers)
+    ]
+    level = _Level("closed", concurrency=concurrency)
+    return _run_level(endpoint, workload, level, load, shares, load.duration_s, clock_zero)
+
+
+def run_sweep(
+    endpoint: Endpoint,
+    workload: WorkloadSpec,
+    load: LoadConfig = LoadConfig(),
+    sweep: SweepConfig = SweepConfig(),
+    clock_zero: float | None = None,
+) -> SweepResult:
+    """Raise the open-loop rate until the server stops keeping up (see SweepConfig).
+
+    capacity_req_s = the highest served_req_s of any level; capacity_still_rising = the highest rate
+    tried was still served at >= saturation x offered, so capacity may be higher than measured.
+    Example: 1, 2, 4, 8 kept up, 16 did not -> 12 (kept up) -> 14 (did not): stop; two rates failed.
+    """
+    levels: list[LevelResult] = []
+    kept_up: dict[float, bool] = {}
+    rate = sweep.start_rate
+    for _ in range(sweep.max_levels):
+        result = run_open_loop(endpoint, workload, rate, load, clock_zero)
+        levels.append(result)
+        kept_up[rate] = result.summary["served_req_s"] >= sweep.saturation * rate
+        passed = [r for r, ok in kept_up.items() if ok]
+        failed = [r for r, ok in kept_up.items() if not ok]
+        if len(failed) >= 2:
+            break
+        if not failed:
+            rate *= 2
+            continue
+        high = min(failed)
+        low = max((r for r in passed if r < high), default=None)
+        if low is None:
+            rate = high / 2
+        elif high / low < sweep.min_ratio:
+            break
+        else:
+            rate = (low + high) / 2
+    capacity = max((level.summary["served_req_s"] for level in levels), default=0.0)
+    return SweepResult(levels, capacity, kept_up[max(kept_up)])
+
+
+def _run_level(
+    endpoint: Endpoint,
+    workload: WorkloadSpec,
+    level: _Level,
+    load: LoadConfig,
+    shares: list[_Share],
+    deadline_s: float | None,
+    clock_zero: float | None,
+) -> LevelResult:
+    total = shares[0].stop
+    bar = tqdm(
+        total=total,
+        desc=f"{endpoint.target or endpoint.model} {level.label}",
+        unit="req",
+        disable=not load.progress or not sys.stderr.isatty(),
+        file=sys.stderr,
+    )
+    with bar:
+        if len(shares) == 1:
+            zero = time.monotonic() if clock_zero is None else clock_zero
+            rows, client_load = asyncio.run(
+                _drive(endpoint, workload, level, load.warmup, shares[0], zero, None, deadline_s, bar.update)
+            )
+            loads = [client_load]
+        else:
+            rows, loads = _run_in_workers(
+                endpoint, workload, level, load, shares, deadline_s, clock_zero, bar
+            )
+    rows.sort(key=lambda row: row.index)
+    worst = ClientLoad.worst(loads)
+    summary: dict[str, Any] = {
+        "mode": level.mode,
+        "rate": level.rate,
+        "concurrency": level.concurrency,
+        "offered_req_s": level.rate,
+        "workers": len(shares),
+        **summarize(rows, load.slo),
+        "client_loop_lag_p99_s": worst.loop_lag_p99_s,
+        "client_cpu_util": worst.cpu_util,
+    }
+    notes = worst.warnings()
+    if summary["send_lag_p99_s"] > SEND_LAG_WARN_S:
+        notes.append(f"send lag p99 {summary['send_lag_p99_s'] * 1e3:.1f} ms: requests went out late")
+    notes = [f"{level.label}: {note}" for note in notes]
+    for note in notes:
+        print(f"warning: {note}", file=sys.stderr)
+    return LevelResult(summary, rows, notes)
+
+
+async def _drive(
+    endpoint: Endpoint,
+    workload: WorkloadSpec,
+    level: _Level,
+    warmup: int,
+    share: _Share,
+    clock_zero: float,
+    level_start: float | None,
+    deadline_s: float | None,
+    on_done: Callable[[int], object],
+) -> tuple[list[RequestRow], ClientLoad]:
+    """Send one process's share of a level; `level_start` None means now."""
+    rows: list[RequestRow] = []
+    indices = itertools.count(share.start, share.step)
+    if share.stop is not None:
+        indices = iter(range(share.start, share.stop, share.step))  # type: ignore[assignment]
+
+    def new_row(index: int, prompt_len: int, max_tokens: int, scheduled: float) -> RequestRow:
+        row = RequestRow(
+            endpoint.target, level.mode, level.rate, level.concurrency, workload.seed, index,
+            index < warmup, prompt_len, max_tokens, scheduled - clock_zero, math.nan, worker=share.worker,
+        )  # fmt: skip
+        rows.append(row)
+        return row
+
+    async with make_http_client(endpoint) as http, ClientMonitor() as monitor:
+        start = time.monotonic() if level_start is None else level_start
+        await asyncio.sleep(max(0.0, start - time.monotonic()))
+
+        async def send(request: Request, row: RequestRow) -> None:
+            await send_request(http, endpoint, request, row, clock_zero)
+            on_done(1)
+
+        if share.offsets is not None:  # open loop: fire at the scheduled times
+            tasks = []
+            for index, offset in zip(indices, share.offsets, strict=False):
+                request = make_request(workload, index)  # built before its time, so it cannot delay it
+                due = start + offset
+                await asyncio.sleep(max(0.0, due - time.monotonic()))
+                row = new_row(index, request.prompt_len, request.max_tokens, due)
+                tasks.append(asyncio.create_task(send(request, row)))
+            await asyncio.gather(*tasks)
+        else:  # closed loop: a slot's next request is due the moment its last one finished
+
+            async def slot() -> None:
+                for index in indices:
+                    due = time.monotonic()
+                    if deadline_s is not None and due - start >= deadline_s:
+                        return
+                    request = make_request(workload, index)
+                    await send(request, new_row(index, request.prompt_len, request.max_tokens, due))
+
+            await asyncio.gather(*(slot() for _ in range(share.slots)))
+    assert monitor.result is not None
+    return rows, monitor.result
+
+
+def _run_in_workers(
+    endpoint: Endpoint,
+    workload: WorkloadSpec,
+    level: _Level,
+    load: LoadConfig,
+    shares: list[_Share],
+    deadline_s: float | None,
+    clock_zero: float | None,
+    bar: tqdm,
+) -> tuple[list[RequestRow], list[ClientLoad]]:
+    """Start one process per share, wait until all are ready, give them one start time, merge rows.
+
+    time.monotonic() is one system-wide clock on Linux and macOS, so times from all processes agree.
+    """
+    ctx = mp.get_context("spawn")  # not fork: the parent may hold threads (progress bar, test servers)
+    ready = ctx.Queue()
+    results = ctx.Queue()
+    go = ctx.Event()
+    start_at = ctx.Value("d", 0.0)
+    done = ctx.Value("i", 0)
+    zero = ctx.Value("d", clock_zero if clock_zero is not None else 0.0)
+    processes = [
+        ctx.Process(
+            target=_worker_main,
+            args=(
+                endpoint,
+                workload,
+                level,
+                load.warmup,
+                share,
+                deadline_s,
+                zero,
+                start_at,
+                go,
+                ready,
+                results,
+                done,
+            ),
+            daemon=True,
+        )
+        for share in shares
+    ]
+    for process in processes:
+        process.start()
+    for _ in processes:
+        ready.get(timeout=120)
+    start = time.monotonic() + 0.05  # every worker is waiting on `go`; they all start at this instant
+    start_at.value = start
+    if clock_zero is None:
+        zero.value = start
+    go.set()
+    rows: list[RequestRow] = []
+    loads: list[ClientLoad] = []
+    received = 0
+    while received < len(processes):
+        try:
+            worker_rows, worker_load, error = results.get(timeout=0.2)
+        except Exception:  # queue.Empty: update the bar, check the workers are alive
+            bar.update(done.value - bar.n)
+            if not any(p.is_alive() for p in processes) and results.empty():
+                raise RuntimeError("a bench worker process died without a result") from None
+            continue
+        if error:
+            raise RuntimeError(f"bench worker failed: {error}")
+        rows.extend(worker_rows)
+        loads.append(worker_load)
+        received += 1
+    bar.update(done.value - bar.n)
+    for process in processes:
+        process.join(timeout=10)
+    return rows, loads
+
+
+def _worker_main(
+    endpoint, workload, level, warmup, share, deadline_s, zero, start_at, go, ready, results, done
+):  # type: ignore[no-untyped-def]
+    def count(n: int) -> None:
+        with done.get_lock():
+            done.value += n
+
+    try:
+        ready.put(share.worker)
+        go.wait()
+        rows, load = asyncio.run(
+            _drive(endpoint, workload, level, warmup, share, zero.value, start_at.value, deadline_s, count)
+        )
+        results.put((rows, load, None))
+    except BaseException as exc:  # reported to the parent, which raises
+        results.put(([], None, repr(exc)))

@@ -1,0 +1,76 @@
+"""The client watching itself: event-loop lag and process CPU use during a level.
+
+The runner starts a `ClientMonitor` around each level in every client process; if the loop oversleeps
+or the process is near a full core, the timestamps it took may be late, and the run says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+
+from bench.metrics import percentile
+
+LOOP_LAG_WARN_S = 0.010
+CPU_UTIL_WARN = 0.9
+
+
+@dataclass(frozen=True)
+class ClientLoad:
+    """loop_lag_p99_s: p99 of how much a short sleep overslept; cpu_util: CPU seconds / wall seconds."""
+
+    loop_lag_p99_s: float
+    cpu_util: float
+
+    def warnings(self) -> list[str]:
+        notes = []
+        if self.loop_lag_p99_s > LOOP_LAG_WARN_S:
+            notes.append(
+                f"client event-loop lag p99 {self.loop_lag_p99_s * 1e3:.1f} ms > {LOOP_LAG_WARN_S * 1e3:.0f} ms:"
+                " timestamps may be late; try --workers"
+            )
+        if self.cpu_util > CPU_UTIL_WARN:
+            notes.append(
+                f"client CPU use {self.cpu_util:.0%} of a core > {CPU_UTIL_WARN:.0%}:"
+                " the client may be the bottleneck; try --workers"
+            )
+        return notes
+
+    @staticmethod
+    def worst(loads: list[ClientLoad]) -> ClientLoad:
+        """Across worker processes, the busiest one speaks for the run."""
+        return ClientLoad(max(x.loop_lag_p99_s for x in loads), max(x.cpu_util for x in loads))
+
+
+class ClientMonitor:
+    """Async context manager: a ticker coroutine sleeps `interval_s` repeatedly and records the oversleep."""
+
+    def __init__(self, interval_s: float = 0.005) -> None:
+        self.interval_s = interval_s
+        self.lags: list[float] = []
+        self._task: asyncio.Task[None] | None = None
+        self._wall0 = self._cpu0 = 0.0
+        self.result: ClientLoad | None = None
+
+    async def _tick(self) -> None:
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(self.interval_s)
+            self.lags.append(max(0.0, time.monotonic() - before - self.interval_s))
+
+    async def __aenter__(self) -> ClientMonitor:
+        self._wall0, self._cpu0 = time.monotonic(), time.process_time()
+        self._task = asyncio.create_task(self._tick())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        wall = time.monotonic() - self._wall0
+        cpu = time.process_time() - self._cpu0
+        lag = percentile(self.lags, 99) if self.lags else 0.0
+        self.result = ClientLoad(loop_lag_p99_s=lag, cpu_util=cpu / wall if wall > 0 else 0.0)
