@@ -30,7 +30,7 @@ CHATML_TEMPLATE = (
 )
 
 
-def _qwen2(hidden: int, inter: int, layers: int, heads: int, kv_heads: int, vocab: int, max_pos: int, eos: int) -> dict[str, Any]:
+def _qwen2(hidden: int, inter: int, layers: int, heads: int, kv_heads: int, vocab: int, max_pos: int, eos: int, window_layers: int | None = None) -> dict[str, Any]:
     return {
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
@@ -42,7 +42,7 @@ def _qwen2(hidden: int, inter: int, layers: int, heads: int, kv_heads: int, voca
         "initializer_range": 0.02,
         "intermediate_size": inter,
         "max_position_embeddings": max_pos,
-        "max_window_layers": layers,
+        "max_window_layers": window_layers or layers,  # unused: sliding window is off
         "num_attention_heads": heads,
         "num_hidden_layers": layers,
         "num_key_value_heads": kv_heads,
@@ -86,7 +86,7 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, 
 
 PRESETS: dict[str, dict[str, Any]] = {
     # The published architectures (see shared model-configs): Qwen/Qwen2.5-1.5B and TinyLlama-1.1B-Chat-v1.0.
-    "qwen2.5-1.5b": _qwen2(1536, 8960, 28, 12, 2, 151936, 131072, eos=151643),
+    "qwen2.5-1.5b": _qwen2(1536, 8960, 28, 12, 2, 151936, 131072, eos=151643, window_layers=21),
     "tinyllama-1.1b": _llama(2048, 5632, 22, 32, 4, 32000, 2048, 10000.0, None),
     # Small ones for CPU tests: a 4,352-token context so the seed-mix workload (prompts up to 4,096) fits.
     "tiny": _qwen2(256, 704, 4, 8, 2, 32000, 4352, eos=31997),

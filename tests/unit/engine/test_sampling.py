@@ -1,0 +1,88 @@
+"""Sampling through the offline API: seeds, top-k, top-p, stop strings and stop token ids."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.sampler import apply_top_k_top_p
+
+PROMPT = [1234, 5678, 9012, 3456]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(str(tiny_model_dir), device="cpu", num_kv_blocks=64, max_model_len=512)
+
+
+def _tokens(llm, **params) -> list[int]:
+    return llm.generate([PROMPT], SamplingParams(max_tokens=24, ignore_eos=True, **params))[0].token_ids
+
+
+def test_same_seed_same_tokens_and_different_seeds_differ(llm):
+    a = _tokens(llm, temperature=1.5, seed=7)
+    b = _tokens(llm, temperature=1.5, seed=7)
+    c = _tokens(llm, temperature=1.5, seed=8)
+    assert a == b
+    assert a != c
+
+
+def test_seeded_request_is_reproducible_whatever_shares_its_batch(llm):
+    alone = _tokens(llm, temperature=1.0, seed=3)
+    batch = llm.generate(
+        [[100 + i for i in range(30)], PROMPT, [2000, 2001]],
+        [SamplingParams(max_tokens=10, temperature=1.0), SamplingParams(max_tokens=24, temperature=1.0, seed=3, ignore_eos=True), SamplingParams(max_tokens=5)],
+    )
+    assert batch[1].token_ids == alone
+
+
+def test_top_k_one_equals_greedy(llm):
+    assert _tokens(llm, temperature=1.0, top_k=1, seed=11) == _tokens(llm, temperature=0.0)
+
+
+def test_top_p_keeps_only_the_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.07, 0.03]]))
+    # Smallest set reaching 0.8: {0.5, 0.25, 0.15}, since 0.5 + 0.25 = 0.75 < 0.8.
+    masked = apply_top_k_top_p(logits, torch.tensor([0]), torch.tensor([0.8]))
+    assert torch.isfinite(masked[0]).tolist() == [True, True, True, False, False]
+    masked = apply_top_k_top_p(logits, torch.tensor([0]), torch.tensor([0.75]))
+    assert torch.isfinite(masked[0]).tolist() == [True, True, False, False, False]
+    # The most likely token survives even a tiny top_p; top-k applies first.
+    masked = apply_top_k_top_p(logits, torch.tensor([0]), torch.tensor([0.01]))
+    assert torch.isfinite(masked[0]).tolist() == [True, False, False, False, False]
+    masked = apply_top_k_top_p(logits, torch.tensor([2]), torch.tensor([1.0]))
+    assert torch.isfinite(masked[0]).tolist() == [True, True, False, False, False]
+    # Surviving logits are unchanged.
+    assert torch.equal(masked[0, :2], logits[0, :2])
+
+
+def test_top_p_sampling_only_draws_from_the_nucleus(llm):
+    greedy = _tokens(llm, temperature=0.0)
+    for seed in range(5):
+        assert _tokens(llm, temperature=1.0, top_p=1e-6, seed=seed) == greedy
+
+
+def test_stop_string_cuts_text_exactly(llm):
+    full = llm.generate([PROMPT], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
+    assert len(full.text) > 12
+    stop = full.text[7:11]
+    first = full.text.find(stop)
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop]))[0]
+    assert out.text == full.text[:first]
+    assert out.finish_reason == "stop"
+    assert len(out.token_ids) < len(full.token_ids)
+
+
+def test_stop_token_ids_end_the_request(llm):
+    full = _tokens(llm, temperature=0.0)
+    stop_token = full[5]
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_token]))[0]
+    assert out.token_ids == full[: full.index(stop_token) + 1]
+    assert out.finish_reason == "stop"
+
+
+def test_max_tokens_ends_with_length(llm):
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 5
+    assert out.finish_reason == "length"
