@@ -14,7 +14,7 @@ import math
 import multiprocessing as mp
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -200,9 +200,13 @@ def _run_level(
     )
     with bar:
         if len(shares) == 1:
-            zero = time.monotonic() if clock_zero is None else clock_zero
+
+            async def start_now() -> tuple[float, float]:
+                now = time.monotonic()
+                return (now if clock_zero is None else clock_zero), now
+
             rows, client_load = asyncio.run(
-                _drive(endpoint, workload, level, load.warmup, shares[0], zero, None, deadline_s, bar.update)
+                _drive(endpoint, workload, level, load.warmup, shares[0], deadline_s, bar.update, start_now)
             )
             loads = [client_load]
         else:
@@ -236,53 +240,54 @@ async def _drive(
     level: _Level,
     warmup: int,
     share: _Share,
-    clock_zero: float,
-    level_start: float | None,
     deadline_s: float | None,
     on_done: Callable[[int], object],
+    start_signal: Callable[[], Awaitable[tuple[float, float]]],
 ) -> tuple[list[RequestRow], ClientLoad]:
-    """Send one process's share of a level; `level_start` None means now."""
+    """Send one process's share of a level.
+
+    Everything slow to set up (the HTTP client) is built first; then `start_signal` gives
+    (clock_zero, level_start) as monotonic times, so no process starts late because of its own set-up.
+    Open loop: each request goes out at level_start + its offset. Closed loop: `share.slots` loops,
+    each sending its next request the moment its last one finished (that moment is its scheduled time).
+    """
     rows: list[RequestRow] = []
-    indices = itertools.count(share.start, share.step)
+    indices: Iterator[int] = itertools.count(share.start, share.step)
     if share.stop is not None:
-        indices = iter(range(share.start, share.stop, share.step))  # type: ignore[assignment]
+        indices = iter(range(share.start, share.stop, share.step))
 
-    def new_row(index: int, prompt_len: int, max_tokens: int, scheduled: float) -> RequestRow:
-        row = RequestRow(
-            endpoint.target, level.mode, level.rate, level.concurrency, workload.seed, index,
-            index < warmup, prompt_len, max_tokens, scheduled - clock_zero, math.nan, worker=share.worker,
-        )  # fmt: skip
-        rows.append(row)
-        return row
+    async with make_http_client(endpoint) as http:
+        clock_zero, start = await start_signal()
 
-    async with make_http_client(endpoint) as http, ClientMonitor() as monitor:
-        start = time.monotonic() if level_start is None else level_start
-        await asyncio.sleep(max(0.0, start - time.monotonic()))
-
-        async def send(request: Request, row: RequestRow) -> None:
+        async def send(request: Request, due: float) -> None:
+            row = RequestRow(
+                endpoint.target, level.mode, level.rate, level.concurrency, workload.seed, request.index,
+                request.index < warmup, request.prompt_len, request.max_tokens, due - clock_zero, math.nan,
+                worker=share.worker,
+            )  # fmt: skip
+            rows.append(row)
             await send_request(http, endpoint, request, row, clock_zero)
             on_done(1)
 
-        if share.offsets is not None:  # open loop: fire at the scheduled times
-            tasks = []
-            for index, offset in zip(indices, share.offsets, strict=False):
-                request = make_request(workload, index)  # built before its time, so it cannot delay it
-                due = start + offset
-                await asyncio.sleep(max(0.0, due - time.monotonic()))
-                row = new_row(index, request.prompt_len, request.max_tokens, due)
-                tasks.append(asyncio.create_task(send(request, row)))
-            await asyncio.gather(*tasks)
-        else:  # closed loop: a slot's next request is due the moment its last one finished
+        async def slot() -> None:
+            for index in indices:
+                due = time.monotonic()
+                if deadline_s is not None and due - start >= deadline_s:
+                    return
+                await send(make_request(workload, index), due)
 
-            async def slot() -> None:
-                for index in indices:
-                    due = time.monotonic()
-                    if deadline_s is not None and due - start >= deadline_s:
-                        return
-                    request = make_request(workload, index)
-                    await send(request, new_row(index, request.prompt_len, request.max_tokens, due))
-
-            await asyncio.gather(*(slot() for _ in range(share.slots)))
+        async with ClientMonitor() as monitor:
+            await asyncio.sleep(max(0.0, start - time.monotonic()))
+            if share.offsets is not None:
+                tasks = []
+                for index, offset in zip(indices, share.offsets, strict=False):
+                    request = make_request(workload, index)  # built before its time, so it cannot delay it
+                    due = start + offset
+                    await asyncio.sleep(max(0.0, due - time.monotonic()))
+                    tasks.append(asyncio.create_task(send(request, due)))
+                await asyncio.gather(*tasks)
+            else:
+                await asyncio.gather(*(slot() for _ in range(share.slots)))
     assert monitor.result is not None
     return rows, monitor.result
 
@@ -367,11 +372,14 @@ def _worker_main(
         with done.get_lock():
             done.value += n
 
-    try:
+    async def wait_for_go() -> tuple[float, float]:
         ready.put(share.worker)
-        go.wait()
+        await asyncio.to_thread(go.wait)
+        return zero.value, start_at.value
+
+    try:
         rows, load = asyncio.run(
-            _drive(endpoint, workload, level, warmup, share, zero.value, start_at.value, deadline_s, count)
+            _drive(endpoint, workload, level, warmup, share, deadline_s, count, wait_for_go)
         )
         results.put((rows, load, None))
     except BaseException as exc:  # reported to the parent, which raises

@@ -1,0 +1,189 @@
+"""Command line: `python -m bench run|report|compare`.
+
+`run` turns flags into a bench.suite.RunConfig and calls run_benchmark; `report` calls
+bench.report.write_report; `compare` calls bench.compare.compare_results and exits 1 on a regression.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+from urllib.parse import urlparse
+
+import httpx
+
+from bench.client import Endpoint
+from bench.compare import DEFAULT_MAX_DROP, compare_results, parse_max_drop
+from bench.metrics import parse_slo
+from bench.probe import first_model
+from bench.report import write_report
+from bench.runner import LoadConfig, SweepConfig
+from bench.suite import RunConfig, run_benchmark
+from bench.workload import WorkloadSpec
+
+T = TypeVar("T")
+DEFAULT_CONCURRENCY = "1,8,32,128"
+
+
+def _list_of(cast: Callable[[str], T]) -> Callable[[str], tuple[T, ...]]:
+    def parse(text: str) -> tuple[T, ...]:
+        try:
+            return tuple(cast(part) for part in text.split(",") if part.strip())
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}") from exc
+
+    return parse
+
+
+def _token_range(text: str) -> tuple[int, int]:
+    low, _, high = text.partition(",")
+    try:
+        return int(low), int(high)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected LOW,HIGH, got {text!r}") from exc
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench", description="Benchmark an OpenAI-compatible server."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser("run", help="replay a workload against a server and write a run folder")
+    target = run.add_argument_group("target")
+    target.add_argument("--base-url", required=True, help="API root, e.g. http://127.0.0.1:8000/v1")
+    target.add_argument("--model", help="model name to request (default: the first id of /v1/models)")
+    target.add_argument(
+        "--target", help="label for this server in outputs (default: /version's name, else host:port)"
+    )
+    target.add_argument(
+        "--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token (default: $OPENAI_API_KEY)"
+    )
+    target.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
+
+    workload = run.add_argument_group("workload")
+    workload.add_argument("--workload", choices=["seed-mix", "fixed", "jsonl"], default="seed-mix")
+    workload.add_argument("--input-len", type=int, default=128, help="fixed: prompt tokens")
+    workload.add_argument("--output-len", type=int, default=128, help="fixed: tokens to generate")
+    workload.add_argument("--dataset", help="jsonl: file of {prompt, max_tokens} or ShareGPT conversations")
+    workload.add_argument(
+        "--token-range", type=_token_range, default=(1000, 30000), help="prompt token ids in [LOW,HIGH)"
+    )
+    workload.add_argument("--seed", type=int, default=0)
+
+    load = run.add_argument_group("load")
+    load.add_argument(
+        "--rates", type=_list_of(float), default=(), help="open-loop rates in req/s, e.g. 2,4,8"
+    )
+    load.add_argument("--arrival", choices=["constant", "poisson"], default="poisson")
+    load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1 = Poisson)")
+    load.add_argument(
+        "--concurrency",
+        type=_list_of(int),
+        default=None,
+        help=f"closed-loop levels, e.g. 1,8,32 (default {DEFAULT_CONCURRENCY} when no --rates/--sweep)",
+    )
+    load.add_argument(
+        "--sweep", action="store_true", help="raise the open-loop rate until the server saturates"
+    )
+    load.add_argument("--sweep-start", type=float, default=1.0, help="first sweep rate in req/s")
+    load.add_argument("--sweep-max-levels", type=int, default=12)
+    load.add_argument("--n-requests", type=int, default=400, help="measured requests per level")
+    load.add_argument("--duration", type=float, help="seconds of arrivals per level, instead of --n-requests")
+    load.add_argument(
+        "--warmup", type=int, default=0, help="extra requests per level, sent first, left out of figures"
+    )
+    load.add_argument(
+        "--slo", type=parse_slo, default=parse_slo("ttft_s=0.5,tpot_s=0.05"), help="goodput SLO"
+    )
+    load.add_argument("--workers", type=int, default=1, help="client processes sharing the load")
+    load.add_argument("--quiet", action="store_true", help="no progress bars or per-level lines")
+    run.add_argument("--out", help="run folder (default bench-out/TARGET-TIME)")
+
+    report = commands.add_parser("report", help="render run folders side by side as one HTML page")
+    report.add_argument("results", nargs="+", help="run folders, run.json or summary JSON files")
+    report.add_argument("--out", default="report.html")
+
+    compare = commands.add_parser("compare", help="compare two results; exit 1 on a regression")
+    compare.add_argument("base")
+    compare.add_argument("new")
+    default_drop = ",".join(f"{k}={v:g}%" for k, v in DEFAULT_MAX_DROP.items())
+    compare.add_argument(
+        "--max-drop", default=default_drop, help=f"allowed worsening per metric (default {default_drop})"
+    )
+    return parser
+
+
+def _default_target(base_url: str, root_url: str) -> str:
+    try:
+        body = httpx.get(f"{root_url}/version", timeout=10).json()
+        if isinstance(body, dict) and body.get("name"):
+            return str(body["name"])
+    except (httpx.HTTPError, ValueError):
+        pass
+    return urlparse(base_url).netloc
+
+
+def command_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    base_url = args.base_url.rstrip("/")
+    model = args.model or first_model(base_url, args.api_key)
+    root_url = Endpoint(base_url, model).root_url
+    target = args.target or _default_target(base_url, root_url)
+    endpoint = Endpoint(base_url, model, target, args.api_key, args.timeout)
+    concurrency = args.concurrency
+    if concurrency is None:
+        concurrency = () if args.rates or args.sweep else _list_of(int)(DEFAULT_CONCURRENCY)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    try:
+        spec = WorkloadSpec(
+            args.workload, args.seed, args.token_range, args.input_len, args.output_len, args.dataset
+        )
+        load = LoadConfig(
+            n_requests=args.n_requests,
+            duration_s=args.duration,
+            warmup=args.warmup,
+            arrival=args.arrival,
+            burstiness=args.burstiness,
+            workers=args.workers,
+            slo=args.slo,
+            progress=not args.quiet,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    config = RunConfig(
+        endpoint=endpoint,
+        workload=spec,
+        load=load,
+        rates=args.rates,
+        concurrencies=concurrency,
+        sweep=SweepConfig(args.sweep_start, args.sweep_max_levels) if args.sweep else None,
+        out_dir=args.out or os.path.join("bench-out", f"{endpoint.target.replace(':', '_')}-{stamp}"),
+    )
+    run = run_benchmark(config)
+    print(f"wrote {config.out_dir}/run.json and requests.csv ({len(run['levels'])} levels)")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        return command_run(args, parser)
+    if args.command == "report":
+        print(f"wrote {write_report(args.results, args.out)}")
+        return 0
+    try:
+        max_drop = parse_max_drop(args.max_drop)
+    except ValueError as exc:
+        parser.error(str(exc))
+    comparison = compare_results(args.base, args.new, max_drop)
+    print(comparison.table())
+    return 1 if comparison.regressions else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

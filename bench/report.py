@@ -1,0 +1,216 @@
+"""The HTML report: several results side by side, with matplotlib plots inlined as PNG.
+
+`write_report(paths, out)` loads each path with bench.results.load_result and writes one
+self-contained page: served vs offered rate, TTFT and latency vs rate, tokens/s vs concurrency,
+and tables of the numbers. The CLI's `report` subcommand calls it.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display: render to PNG only
+import matplotlib.pyplot as plt  # noqa: E402
+
+from bench.results import Result, level_key, load_result  # noqa: E402
+
+OPEN_COLUMNS = [
+    ("rate", "offered req/s", 3),
+    ("served_req_s", "served req/s", 3),
+    ("output_tok_s", "output tok/s", 4),
+    ("goodput_req_s", "goodput req/s", 3),
+    ("ttft_p50_s", "TTFT p50 s", 3),
+    ("ttft_p99_s", "TTFT p99 s", 3),
+    ("tpot_p50_s", "TPOT p50 s", 3),
+    ("itl_p50_s", "ITL p50 s", 3),
+    ("e2e_p50_s", "e2e p50 s", 3),
+    ("e2e_p99_s", "e2e p99 s", 3),
+    ("send_lag_p99_s", "send lag p99 s", 2),
+    ("failures", "failures", 0),
+    ("client_loop_lag_p99_s", "client lag p99 s", 2),
+    ("client_cpu_util", "client CPU", 2),
+]
+CLOSED_COLUMNS = [("concurrency", "concurrency", 0)] + [c for c in OPEN_COLUMNS if c[0] != "rate"]
+STYLE = """
+body { font-family: system-ui, sans-serif; margin: 24px; color: #222; max-width: 1200px; }
+h1 { font-size: 22px; } h2 { font-size: 18px; margin-top: 28px; border-bottom: 1px solid #ddd; }
+table { border-collapse: collapse; font-size: 12px; margin: 8px 0 16px; }
+th, td { border: 1px solid #ddd; padding: 3px 6px; text-align: right; white-space: nowrap; }
+th { background: #f3f3f3; } td.text, th.text { text-align: left; }
+tr.first td { border-top: 2px solid #999; }
+img { max-width: 100%; } .warn { color: #a40; } .meta td { text-align: left; white-space: normal; }
+pre { font-size: 11px; background: #f7f7f7; padding: 6px; white-space: pre-wrap; margin: 0; }
+"""
+
+
+def write_report(paths: Sequence[str | Path], out: str | Path) -> Path:
+    results = [load_result(path) for path in paths]
+    _name_targets(results)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render(results))
+    return out
+
+
+def _name_targets(results: list[Result]) -> None:
+    """Targets must be distinguishable in legends: fall back to the folder name, then number them."""
+    for result in results:
+        result.target = result.target or Path(result.path).name
+    names = [result.target for result in results]
+    for i, result in enumerate(results):
+        if names.count(result.target) > 1:
+            result.target = f"{result.target} ({Path(result.path).name or i + 1})"
+
+
+def render(results: Sequence[Result]) -> str:
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'><title>bench report</title>",
+        f"<style>{STYLE}</style></head><body>",
+        f"<h1>Benchmark: {', '.join(html.escape(r.target) for r in results)}</h1>",
+        _targets_table(results),
+    ]
+    opened = any(_levels(r, "open") for r in results)
+    closed = any(_levels(r, "closed") for r in results)
+    if opened:
+        parts.append("<h2>Open loop: requests arrive at a rate</h2>")
+        parts.append(_img(_plot_open(results)))
+        parts.append(_levels_table(results, "open", OPEN_COLUMNS))
+    if closed:
+        parts.append("<h2>Closed loop: a fixed number of requests in flight</h2>")
+        parts.append(_img(_plot_closed(results)))
+        parts.append(_levels_table(results, "closed", CLOSED_COLUMNS))
+    if not opened and not closed:
+        parts.append("<p>No levels in these results.</p>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def _levels(result: Result, mode: str) -> list[dict[str, Any]]:
+    return sorted((lv for lv in result.levels if lv.get("mode") == mode), key=level_key)
+
+
+def _targets_table(results: Sequence[Result]) -> str:
+    rows = []
+    for r in results:
+        meta = r.meta
+        server = meta.get("server") or {}
+        body = server.get("body") if isinstance(server, dict) else None
+        rtt = meta.get("rtt") or {}
+        stream = meta.get("stream_check") or {}
+        capacity = ""
+        if r.capacity_req_s is not None:
+            capacity = f"{r.capacity_req_s:.3g} req/s" + (
+                " (still rising)" if r.capacity_still_rising else ""
+            )
+        warnings = "".join(f"<div class='warn'>{html.escape(w)}</div>" for w in meta.get("warnings") or [])
+        description = (
+            body if body is not None else {k: meta[k] for k in ("version", "gpu", "dtype") if k in meta}
+        )
+        rows.append(
+            "<tr>"
+            f"<td class='text'>{html.escape(r.target)}</td>"
+            f"<td class='text'>{html.escape(str(meta.get('model', '')))}</td>"
+            f"<td class='text'><pre>{html.escape(json.dumps(description, indent=1)[:1500])}</pre></td>"
+            f"<td>{_num(rtt.get('rtt_median_s'), 2)}</td>"
+            f"<td class='text'>{html.escape(str(stream.get('verdict', '')))}</td>"
+            f"<td>{capacity}</td>"
+            f"<td class='text'>{html.escape(str(meta.get('started_at', '')))}<br>{html.escape(r.path)}</td>"
+            f"<td class='text'>{warnings}</td></tr>"
+        )
+    head = "".join(
+        f"<th class='text'>{h}</th>"
+        for h in ("target", "model", "server", "RTT s", "stream", "capacity", "run", "warnings")
+    )
+    return f"<table class='meta'><tr>{head}</tr>{''.join(rows)}</table>"
+
+
+def _levels_table(results: Sequence[Result], mode: str, columns: list[tuple[str, str, int]]) -> str:
+    """One row per (level, target), targets of one level adjacent so they read side by side."""
+    entries = [(level_key(lv), i, r.target, lv) for i, r in enumerate(results) for lv in _levels(r, mode)]
+    entries.sort(key=lambda entry: (entry[0], entry[1]))
+    head = "<th class='text'>target</th>" + "".join(f"<th>{label}</th>" for _, label, _ in columns)
+    body = []
+    previous = None
+    for key, _, target, level in entries:
+        cls = " class='first'" if key != previous and previous is not None else ""
+        previous = key
+        cells = "".join(f"<td>{_num(level.get(name), digits)}</td>" for name, _, digits in columns)
+        body.append(f"<tr{cls}><td class='text'>{html.escape(target)}</td>{cells}</tr>")
+    return f"<table><tr>{head}</tr>{''.join(body)}</table>"
+
+
+def _num(value: Any, digits: int) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return html.escape(str(value))
+    if digits == 0:
+        return f"{value:.0f}"
+    return f"{value:.{digits}g}" if abs(value) >= 10 ** (digits - 1) or value == 0 else f"{value:.{digits}f}"
+
+
+def _img(png: bytes) -> str:
+    return f"<img alt='plot' src='data:image/png;base64,{base64.b64encode(png).decode()}'>"
+
+
+def _series(result: Result, mode: str, x: str, y: str) -> tuple[list[float], list[float]]:
+    points = [(lv.get(x), lv.get(y)) for lv in _levels(result, mode)]
+    kept = [(float(a), float(b)) for a, b in points if a is not None and b is not None]
+    kept = [(a, b) for a, b in kept if not math.isnan(b)]
+    return [a for a, _ in kept], [b for _, b in kept]
+
+
+def _plot_open(results: Sequence[Result]) -> bytes:
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    highest = 0.0
+    for i, r in enumerate(results):
+        color = f"C{i}"
+        x, y = _series(r, "open", "rate", "served_req_s")
+        highest = max([highest, *x, *y])
+        axes[0].plot(x, y, "o-", color=color, label=r.target)
+        for ax, name in ((axes[1], "ttft"), (axes[2], "e2e")):
+            for stat, style in (("p50", "o-"), ("p99", "s--")):
+                x, y = _series(r, "open", "rate", f"{name}_{stat}_s")
+                ax.plot(x, y, style, color=color, label=f"{r.target} {stat}")
+    axes[0].plot([0, highest], [0, highest], ":", color="gray", label="served = offered")
+    axes[0].set(title="Served vs offered rate", xlabel="offered (req/s)", ylabel="served (req/s)")
+    axes[1].set(title="TTFT vs rate", xlabel="offered (req/s)", ylabel="seconds")
+    axes[2].set(title="End-to-end latency vs rate", xlabel="offered (req/s)", ylabel="seconds")
+    return _finish(fig, axes)
+
+
+def _plot_closed(results: Sequence[Result]) -> bytes:
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for i, r in enumerate(results):
+        color = f"C{i}"
+        for ax, metric in zip(axes, ("output_tok_s", "ttft_p50_s", "tpot_p50_s"), strict=True):
+            x, y = _series(r, "closed", "concurrency", metric)
+            ax.plot(x, y, "o-", color=color, label=r.target)
+    axes[0].set(title="Output tokens/s vs concurrency", xlabel="concurrency", ylabel="tokens/s")
+    axes[1].set(title="TTFT p50 vs concurrency", xlabel="concurrency", ylabel="seconds")
+    axes[2].set(title="TPOT p50 vs concurrency", xlabel="concurrency", ylabel="seconds")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+    return _finish(fig, axes)
+
+
+def _finish(fig: Any, axes: Any) -> bytes:
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+        ax.set_ylim(bottom=0)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=90)
+    plt.close(fig)
+    return buffer.getvalue()
