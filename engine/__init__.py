@@ -11,4 +11,14 @@ from engine.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "EngineArgs", "EngineStats", "InvalidRequestError", "LLMEngine", "ModelConfig", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = [
+    "LLM",
+    "EngineArgs",
+    "EngineStats",
+    "InvalidRequestError",
+    "LLMEngine",
+    "ModelConfig",
+    "RequestOutput",
+    "SamplingParams",
+    "__version__",
+]

@@ -17,7 +17,9 @@ class BlockAllocator:
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
+            raise ValueError(
+                f"need at least one block of at least one token, got {num_blocks} x {block_size}"
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))
@@ -106,7 +108,9 @@ class BlockAllocator:
                 owners[block] += 1
         for block in range(self.num_blocks):
             if owners[block] != self._ref_counts[block]:
-                raise AssertionError(f"block {block}: {owners[block]} owners but ref count {self._ref_counts[block]}")
+                raise AssertionError(
+                    f"block {block}: {owners[block]} owners but ref count {self._ref_counts[block]}"
+                )
         free_set = set(free)
         used = {b for b in range(self.num_blocks) if owners[b] > 0}
         if free_set & used:

@@ -48,7 +48,9 @@ class ModelConfig:
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         model_type = raw.get("model_type", "")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})")
+            raise ValueError(
+                f"model_type {model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})"
+            )
         rope = raw.get("rope_parameters") or {}
         rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
         rope_scaling = raw.get("rope_scaling")

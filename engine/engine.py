@@ -80,7 +80,13 @@ def resolve_dtype(dtype: str, config_dtype: str, device: torch.device) -> torch.
         name = config_dtype if device.type == "cuda" else "float32"
     else:
         name = dtype
-    aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32", "fp32": "float32"}
+    aliases = {
+        "bf16": "bfloat16",
+        "fp16": "float16",
+        "half": "float16",
+        "float": "float32",
+        "fp32": "float32",
+    }
     name = aliases.get(name, name)
     if name not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype {dtype!r} is not supported (float32, bfloat16, float16 or auto)")
@@ -95,24 +101,47 @@ class LLMEngine:
         self.dtype = resolve_dtype(args.dtype, self.model_config.dtype, self.device)
         self.max_model_len = args.max_model_len or self.model_config.max_position_embeddings
         if self.max_model_len > self.model_config.max_position_embeddings:
-            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {self.model_config.max_position_embeddings}")
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {self.model_config.max_position_embeddings}"
+            )
         self.max_num_batched_tokens = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         if self.max_num_batched_tokens < args.max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({args.max_num_seqs}), so every running sequence can decode in one step")
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({args.max_num_seqs}), so every running sequence can decode in one step"
+            )
         torch.manual_seed(args.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(args.model)
-        self.runner = ModelRunner(self.model_config, args.model, self.device, self.dtype, self.max_model_len, args.block_size, args.seed)
+        self.runner = ModelRunner(
+            self.model_config,
+            args.model,
+            self.device,
+            self.dtype,
+            self.max_model_len,
+            args.block_size,
+            args.seed,
+        )
         num_blocks = self._num_kv_blocks()
         if num_blocks * args.block_size < self.max_model_len:
-            raise ValueError(f"the KV cache holds {num_blocks * args.block_size} tokens, fewer than max_model_len {self.max_model_len}: give it more memory or lower max_model_len")
+            raise ValueError(
+                f"the KV cache holds {num_blocks * args.block_size} tokens, fewer than max_model_len {self.max_model_len}: give it more memory or lower max_model_len"
+            )
         self.runner.allocate_kv_cache(num_blocks)
         self.cache_config = CacheConfig(block_size=args.block_size, num_blocks=num_blocks)
-        self.scheduler_config = SchedulerConfig(args.max_num_seqs, self.max_num_batched_tokens, self.max_model_len)
+        self.scheduler_config = SchedulerConfig(
+            args.max_num_seqs, self.max_num_batched_tokens, self.max_model_len
+        )
         self.allocator = BlockAllocator(num_blocks, args.block_size)
         self.scheduler = Scheduler(self.scheduler_config, self.allocator, self.model_config.eos_token_ids)
         self._requests: dict[str, _RequestState] = {}
         self._seq_ids = itertools.count()
-        logger.info("engine ready: %s on %s in %s, %d KV blocks of %d tokens", args.model, self.device, self.dtype, num_blocks, args.block_size)
+        logger.info(
+            "engine ready: %s on %s in %s, %d KV blocks of %d tokens",
+            args.model,
+            self.device,
+            self.dtype,
+            num_blocks,
+            args.block_size,
+        )
 
     def _num_kv_blocks(self) -> int:
         args = self.args
@@ -121,7 +150,9 @@ class LLMEngine:
         if args.kv_cache_memory is not None:
             return args.kv_cache_memory // self.runner.block_bytes
         if self.device.type == "cuda":
-            return self.runner.measure_num_blocks(args.gpu_memory_utilization, self.max_num_batched_tokens, args.max_num_seqs)
+            return self.runner.measure_num_blocks(
+                args.gpu_memory_utilization, self.max_num_batched_tokens, args.max_num_seqs
+            )
         return CPU_DEFAULT_KV_CACHE_MEMORY // self.runner.block_bytes
 
     # -- requests --------------------------------------------------------------------------------
@@ -132,7 +163,9 @@ class LLMEngine:
             if not prompt:
                 raise InvalidRequestError("prompt is empty", "prompt")
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        elif isinstance(prompt, list | tuple) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif isinstance(prompt, list | tuple) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
             token_ids = list(prompt)
         else:
             raise InvalidRequestError("prompt must be a string or a list of token ids", "prompt")
@@ -149,13 +182,21 @@ class LLMEngine:
             )
         return token_ids
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, arrival_time: float | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         token_ids = self.validate(prompt, params)
         seq = Sequence(next(self._seq_ids), request_id, token_ids, params, arrival_time or time.monotonic())
         self.scheduler.add(seq)
-        self._requests[request_id] = _RequestState(seq, IncrementalDetokenizer(self.tokenizer, params.stop_strings))
+        self._requests[request_id] = _RequestState(
+            seq, IncrementalDetokenizer(self.tokenizer, params.stop_strings)
+        )
 
     def abort(self, request_id: str) -> bool:
         """End a request now and give its blocks back; False if it is unknown or already done."""
@@ -174,7 +215,9 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
-        batch = self.runner.prepare(scheduled, {s.seq.seq_id: self.allocator.block_table(s.seq.seq_id) for s in scheduled.scheduled})
+        batch = self.runner.prepare(
+            scheduled, {s.seq.seq_id: self.allocator.block_table(s.seq.seq_id) for s in scheduled.scheduled}
+        )
         token_ids = self.runner.execute(batch)
         self.scheduler.update(scheduled, token_ids)
         return self._outputs(scheduled)
@@ -215,7 +258,12 @@ class LLMEngine:
 
     # -- introspection ---------------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, self.allocator.num_used_blocks, self.allocator.num_blocks)
+        return EngineStats(
+            self.scheduler.num_running,
+            self.scheduler.num_waiting,
+            self.allocator.num_used_blocks,
+            self.allocator.num_blocks,
+        )
 
     def config_dict(self) -> dict[str, Any]:
         """Every option in force, with derived values filled in."""

@@ -19,15 +19,25 @@ class LLM:
     def __init__(self, model: str, **options) -> None:
         unknown = sorted(set(options) - set(EngineArgs.field_names()))
         if unknown:
-            raise TypeError(f"unknown option(s) {unknown}; known: {sorted(set(EngineArgs.field_names()) - {'model'})}")
+            raise TypeError(
+                f"unknown option(s) {unknown}; known: {sorted(set(EngineArgs.field_names()) - {'model'})}"
+            )
         self.engine = LLMEngine(EngineArgs(model=str(model), **options))
         self.tokenizer = self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | SequenceABC[Prompt], sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | SequenceABC[Prompt],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params_list = [sampling_params] * len(prompt_list) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        params_list = (
+            [sampling_params] * len(prompt_list)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
         if len(params_list) != len(prompt_list):
             raise ValueError(f"{len(params_list)} sampling params for {len(prompt_list)} prompts")
         for prompt, params in zip(prompt_list, params_list, strict=True):
@@ -46,7 +56,7 @@ class LLM:
 def _as_prompt_list(prompts: Prompt | SequenceABC[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(p, int) for p in prompts):
-        return [prompts]  # one prompt of token ids
-    return prompts
+    items = list(prompts)
+    if items and all(isinstance(p, int) for p in items):
+        return [[int(p) for p in items]]  # type: ignore[arg-type]  # one prompt of token ids
+    return items  # type: ignore[return-value]

@@ -37,7 +37,16 @@ class Batch:
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, model_dir: str, device: torch.device, dtype: torch.dtype, max_model_len: int, block_size: int, seed: int) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        model_dir: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_model_len: int,
+        block_size: int,
+        seed: int,
+    ) -> None:
         self.config = model_config
         self.device = device
         self.dtype = dtype
@@ -63,10 +72,14 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = (2, num_blocks, self.block_size, self.config.num_kv_heads, self.config.head_dim)
-        self.model.bind_kv_caches([torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.config.num_layers)])
+        self.model.bind_kv_caches(
+            [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.config.num_layers)]
+        )
         self.num_blocks = num_blocks
 
-    def measure_num_blocks(self, gpu_memory_utilization: float, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    def measure_num_blocks(
+        self, gpu_memory_utilization: float, max_num_batched_tokens: int, max_num_seqs: int
+    ) -> int:
         """Size the cache as vLLM does: run the largest batch once, read peak memory, give the rest to KV.
 
         The budget is gpu_memory_utilization x the device's total memory, for weights, activations
@@ -80,9 +93,17 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
         available = int(total * gpu_memory_utilization) - peak - max(non_torch, 0)
-        logger.info("memory: total %.1f GiB, peak %.2f GiB, other %.2f GiB, KV %.2f GiB", total / 2**30, peak / 2**30, non_torch / 2**30, available / 2**30)
+        logger.info(
+            "memory: total %.1f GiB, peak %.2f GiB, other %.2f GiB, KV %.2f GiB",
+            total / 2**30,
+            peak / 2**30,
+            non_torch / 2**30,
+            available / 2**30,
+        )
         if available < self.block_bytes:
-            raise RuntimeError(f"no memory left for the KV cache at gpu_memory_utilization={gpu_memory_utilization}: weights and activations take {peak / 2**30:.2f} GiB")
+            raise RuntimeError(
+                f"no memory left for the KV cache at gpu_memory_utilization={gpu_memory_utilization}: weights and activations take {peak / 2**30:.2f} GiB"
+            )
         return available // self.block_bytes
 
     @torch.inference_mode()
@@ -110,7 +131,9 @@ class ModelRunner:
         del hidden, rows
 
     # -- one step ------------------------------------------------------------------------------
-    def _metadata(self, starts: list[int], query_lens: list[int], block_tables: list[list[int]]) -> tuple[AttentionMetadata, torch.Tensor]:
+    def _metadata(
+        self, starts: list[int], query_lens: list[int], block_tables: list[list[int]]
+    ) -> tuple[AttentionMetadata, torch.Tensor]:
         positions: list[int] = []
         slots: list[int] = []
         query_start = [0]
@@ -148,7 +171,11 @@ class ModelRunner:
         input_ids: list[int] = []
         for item in items:
             input_ids.extend(item.seq.token_slice(item.start, item.start + item.num_tokens))
-        meta, positions = self._metadata([i.start for i in items], [i.num_tokens for i in items], [block_tables[i.seq.seq_id] for i in items])
+        meta, positions = self._metadata(
+            [i.start for i in items],
+            [i.num_tokens for i in items],
+            [block_tables[i.seq.seq_id] for i in items],
+        )
         sample_indices, sample_order, params, generators = [], [], [], []
         end = 0
         for item in items:
@@ -175,7 +202,9 @@ class ModelRunner:
         if generator is None:
             generator = torch.Generator(device=self.device)
             # An unseeded request still draws reproducibly, from the engine's seed and its arrival order.
-            generator.manual_seed(params.seed if params.seed is not None else hash((self.seed, seq_id)) & (2**63 - 1))
+            generator.manual_seed(
+                params.seed if params.seed is not None else hash((self.seed, seq_id)) & (2**63 - 1)
+            )
             self._generators[seq_id] = generator
         return generator
 

@@ -43,14 +43,20 @@ class SamplingParams:
     def validate(self) -> None:
         """Raise InvalidRequestError naming the first bad field."""
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
+            raise InvalidRequestError(
+                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens"
+            )
         if self.temperature < 0:
             raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}", "temperature")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise InvalidRequestError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k}", "top_k")
+            raise InvalidRequestError(
+                f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k}", "top_k"
+            )
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
-            raise InvalidRequestError("stop must be a non-empty string or a list of non-empty strings", "stop")
+            raise InvalidRequestError(
+                "stop must be a non-empty string or a list of non-empty strings", "stop"
+            )
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):
             raise InvalidRequestError("stop_token_ids must be non-negative integers", "stop_token_ids")

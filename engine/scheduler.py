@@ -57,7 +57,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, eos_token_ids: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self, config: SchedulerConfig, allocator: BlockAllocator, eos_token_ids: tuple[int, ...] = ()
+    ) -> None:
         self.config = config
         self.allocator = allocator
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -184,7 +186,7 @@ class Scheduler:
         params = seq.params
         if not params.ignore_eos and token in self.eos_token_ids:
             return "stop"
-        if token in params.stop_token_ids:
+        if params.stop_token_ids and token in params.stop_token_ids:
             return "stop"
         if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
             return "length"

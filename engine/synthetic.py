@@ -30,7 +30,17 @@ CHATML_TEMPLATE = (
 )
 
 
-def _qwen2(hidden: int, inter: int, layers: int, heads: int, kv_heads: int, vocab: int, max_pos: int, eos: int, window_layers: int | None = None) -> dict[str, Any]:
+def _qwen2(
+    hidden: int,
+    inter: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    vocab: int,
+    max_pos: int,
+    eos: int,
+    window_layers: int | None = None,
+) -> dict[str, Any]:
     return {
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
@@ -57,7 +67,17 @@ def _qwen2(hidden: int, inter: int, layers: int, heads: int, kv_heads: int, voca
     }
 
 
-def _llama(hidden: int, inter: int, layers: int, heads: int, kv_heads: int, vocab: int, max_pos: int, rope_theta: float, rope_scaling: dict | None) -> dict[str, Any]:
+def _llama(
+    hidden: int,
+    inter: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    vocab: int,
+    max_pos: int,
+    rope_theta: float,
+    rope_scaling: dict | None,
+) -> dict[str, Any]:
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -82,7 +102,13 @@ def _llama(hidden: int, inter: int, layers: int, heads: int, kv_heads: int, voca
     }
 
 
-LLAMA3_SCALING = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 1088}
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 4.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 1088,
+}
 
 PRESETS: dict[str, dict[str, Any]] = {
     # The published architectures (see shared model-configs): Qwen/Qwen2.5-1.5B and TinyLlama-1.1B-Chat-v1.0.
@@ -97,7 +123,11 @@ PRESETS: dict[str, dict[str, Any]] = {
 # -- tokenizer -------------------------------------------------------------------------------------
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's map from each byte to a printable character: the alphabet of byte-level BPE."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars = list(printable)
     extra = 0
     for b in range(256):
@@ -201,7 +231,9 @@ def weight_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def random_tensor(name: str, shape: tuple[int, ...], std: float, num_layers: int, generator: torch.Generator) -> torch.Tensor:
+def random_tensor(
+    name: str, shape: tuple[int, ...], std: float, num_layers: int, generator: torch.Generator
+) -> torch.Tensor:
     """Random weights whose layers matter: each projection keeps unit scale (std 1/sqrt(fan_in)), and
     the residual branches are scaled by 1/sqrt(2 x layers) so bf16 activations stay finite through
     every layer. Small embeddings keep the logits from simply repeating the input token."""
@@ -215,7 +247,9 @@ def random_tensor(name: str, shape: tuple[int, ...], std: float, num_layers: int
     return torch.randn(shape, generator=generator) * std
 
 
-def write_checkpoint(preset: str, out: str | Path, seed: int = 0, dtype: str = "bfloat16", max_shard_bytes: int = 2 << 30) -> Path:
+def write_checkpoint(
+    preset: str, out: str | Path, seed: int = 0, dtype: str = "bfloat16", max_shard_bytes: int = 2 << 30
+) -> Path:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r} (known: {sorted(PRESETS)})")
     config = dict(PRESETS[preset], torch_dtype=dtype)
@@ -226,7 +260,9 @@ def write_checkpoint(preset: str, out: str | Path, seed: int = 0, dtype: str = "
     shards: list[dict[str, torch.Tensor]] = [{}]
     shard_bytes = 0
     for name, shape in weight_shapes(config).items():
-        tensor = random_tensor(name, shape, config["initializer_range"], config["num_hidden_layers"], generator).to(torch_dtype)
+        tensor = random_tensor(
+            name, shape, config["initializer_range"], config["num_hidden_layers"], generator
+        ).to(torch_dtype)
         size = tensor.numel() * tensor.element_size()
         if shards[-1] and shard_bytes + size > max_shard_bytes:
             shards.append({})
@@ -235,7 +271,9 @@ def write_checkpoint(preset: str, out: str | Path, seed: int = 0, dtype: str = "
         shard_bytes += size
     weight_map: dict[str, str] = {}
     for i, shard in enumerate(shards):
-        filename = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        filename = (
+            "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        )
         save_file(shard, str(out / filename), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, filename))
     if len(shards) > 1:
@@ -243,19 +281,28 @@ def write_checkpoint(preset: str, out: str | Path, seed: int = 0, dtype: str = "
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"], "do_sample": False}
+    generation = {
+        "bos_token_id": config["bos_token_id"],
+        "eos_token_id": config["eos_token_id"],
+        "do_sample": False,
+    }
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     write_tokenizer(out, config)
     return out
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m engine.synthetic", description="Write a random-weight checkpoint in Hugging Face format.")
+    parser = argparse.ArgumentParser(
+        prog="python -m engine.synthetic",
+        description="Write a random-weight checkpoint in Hugging Face format.",
+    )
     parser.add_argument("--preset", required=True, choices=sorted(PRESETS))
     parser.add_argument("--out", required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--max-shard-mb", type=int, default=2048, help="split the weights into files of at most this size")
+    parser.add_argument(
+        "--max-shard-mb", type=int, default=2048, help="split the weights into files of at most this size"
+    )
     args = parser.parse_args(argv)
     path = write_checkpoint(args.preset, args.out, args.seed, args.dtype, args.max_shard_mb << 20)
     print(f"wrote {args.preset} to {path}")

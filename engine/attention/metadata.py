@@ -37,7 +37,9 @@ class AttentionMetadata:
         return len(self.seq_lens_cpu)
 
 
-_current: contextvars.ContextVar[AttentionMetadata | None] = contextvars.ContextVar("attention_metadata", default=None)
+_current: contextvars.ContextVar[AttentionMetadata | None] = contextvars.ContextVar(
+    "attention_metadata", default=None
+)
 
 
 @contextlib.contextmanager

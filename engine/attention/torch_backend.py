@@ -16,7 +16,9 @@ from engine.attention.metadata import AttentionMetadata
 class TorchAttentionBackend:
     name = "torch"
 
-    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
         """Store this step's K/V. kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]."""
         flat = kv_cache.flatten(1, 2)  # [2, num_slots, num_kv_heads, head_dim]
         flat[0].index_copy_(0, meta.slot_mapping, key)
@@ -41,7 +43,9 @@ class TorchAttentionBackend:
             out[start:end] = self._prefill(query[start:end], kv_cache, meta, i, scale)
         return out
 
-    def _gather(self, kv_cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather(
+        self, kv_cache: torch.Tensor, block_tables: torch.Tensor, max_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the given block tables: [batch, max_len, num_kv_heads, head_dim] each."""
         block_size = kv_cache.shape[2]
         num_blocks = -(-max_len // block_size)
@@ -50,7 +54,9 @@ class TorchAttentionBackend:
         flat = kv_cache.flatten(1, 2)
         return flat[0][slots], flat[1][slots]
 
-    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _decode(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
         n = meta.num_decodes
         max_len = max(meta.seq_lens_cpu[:n])
         keys, values = self._gather(kv_cache, meta.block_tables[:n], max_len)
@@ -66,7 +72,9 @@ class TorchAttentionBackend:
         )
         return out.squeeze(2)
 
-    def _prefill(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, i: int, scale: float) -> torch.Tensor:
+    def _prefill(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, i: int, scale: float
+    ) -> torch.Tensor:
         q_len, ctx_len = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
         keys, values = self._gather(kv_cache, meta.block_tables[i : i + 1], ctx_len)
         q = query.transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, dim]

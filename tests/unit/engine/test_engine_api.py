@@ -9,7 +9,17 @@ from engine import EngineArgs, LLMEngine, SamplingParams
 
 @pytest.fixture()
 def engine(tiny_model_dir):
-    return LLMEngine(EngineArgs(model=str(tiny_model_dir), device="cpu", num_kv_blocks=32, block_size=16, max_model_len=256, max_num_batched_tokens=64, max_num_seqs=8))
+    return LLMEngine(
+        EngineArgs(
+            model=str(tiny_model_dir),
+            device="cpu",
+            num_kv_blocks=32,
+            block_size=16,
+            max_model_len=256,
+            max_num_batched_tokens=64,
+            max_num_seqs=8,
+        )
+    )
 
 
 def run_to_end(engine: LLMEngine) -> dict[str, list]:
@@ -21,10 +31,12 @@ def run_to_end(engine: LLMEngine) -> dict[str, list]:
 
 
 def test_incremental_outputs_add_up_to_the_final_one(engine):
-    engine.add_request("a", [1000 + i for i in range(100)], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    engine.add_request(
+        "a", [1000 + i for i in range(100)], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    )
     engine.add_request("b", "some text", SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
     seen = run_to_end(engine)
-    for request_id, outputs in seen.items():
+    for outputs in seen.values():
         final = outputs[-1]
         assert final.finished and all(not o.finished for o in outputs[:-1])
         assert sum((o.new_token_ids for o in outputs), []) == final.token_ids
@@ -39,7 +51,9 @@ def test_streamed_text_never_shows_part_of_a_stop_string(engine):
     engine.add_request("ref", [1000, 2000, 3000], params)
     full = run_to_end(engine)["ref"][-1].text
     stop = full[10:16]
-    engine.add_request("s", [1000, 2000, 3000], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop=stop))
+    engine.add_request(
+        "s", [1000, 2000, 3000], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop=stop)
+    )
     outputs = run_to_end(engine)["s"]
     streamed = ""
     for out in outputs:
@@ -70,7 +84,9 @@ def test_duplicate_request_id_is_refused(engine):
 
 
 def test_kv_cache_sized_from_memory(tiny_model_dir):
-    engine = LLMEngine(EngineArgs(model=str(tiny_model_dir), device="cpu", kv_cache_memory=8 << 20, max_model_len=512))
+    engine = LLMEngine(
+        EngineArgs(model=str(tiny_model_dir), device="cpu", kv_cache_memory=8 << 20, max_model_len=512)
+    )
     per_block = 2 * 4 * 2 * 32 * 4 * 16  # K and V, 4 layers, 2 KV heads of 32, float32, 16 tokens
     assert engine.cache_config.num_blocks == (8 << 20) // per_block
     config = engine.config_dict()

@@ -26,20 +26,28 @@ TIE_TOLERANCE = 0.1  # logits; bf16 spacing near |logit| ~ 4 is 0.03
 def test_bf16_matches_transformers_up_to_ties(tiny_model_dir):
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, 30000) for _ in range(n)] for n in (1, 7, 16, 33, 200, 1000)]
-    llm = LLM(str(tiny_model_dir), device="cuda", dtype="bfloat16", max_model_len=2048, max_num_batched_tokens=512)
+    llm = LLM(
+        str(tiny_model_dir), device="cuda", dtype="bfloat16", max_model_len=2048, max_num_batched_tokens=512
+    )
     outputs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).cuda()
     exact = total = 0
     for prompt, out in zip(prompts, outputs, strict=True):
         ids = torch.tensor([prompt + out.token_ids], device="cuda")
         with torch.no_grad():
-            logits = hf(ids).logits[0, len(prompt) - 1 : -1].float()  # [32, vocab]: the logits each token was picked from
+            logits = (
+                hf(ids).logits[0, len(prompt) - 1 : -1].float()
+            )  # [32, vocab]: the logits each token was picked from
         chosen = logits.gather(1, torch.tensor(out.token_ids, device="cuda")[:, None])[:, 0]
         gap = logits.max(dim=1).values - chosen
-        assert (gap <= TIE_TOLERANCE).all(), f"a token was not a near-argmax under transformers: gaps {gap.tolist()}"
+        assert (gap <= TIE_TOLERANCE).all(), (
+            f"a token was not a near-argmax under transformers: gaps {gap.tolist()}"
+        )
         exact += int((gap == 0).sum())
         total += len(out.token_ids)
-    print(f"bf16 tiny: {exact}/{total} tokens are transformers' exact argmax, the rest within {TIE_TOLERANCE}")
+    print(
+        f"bf16 tiny: {exact}/{total} tokens are transformers' exact argmax, the rest within {TIE_TOLERANCE}"
+    )
     assert exact / total >= 0.9
 
 
@@ -56,4 +64,6 @@ def test_qwen25_15b_preset_generates_a_batch(tmp_path_factory):
     elapsed = time.perf_counter() - start
     assert all(len(o.token_ids) == 64 for o in outputs)
     assert all(isinstance(o.text, str) for o in outputs)
-    print(f"qwen2.5-1.5b bf16: 32 requests x 64 tokens in {elapsed:.2f} s = {32 * 64 / elapsed:.0f} output tok/s; {llm.engine.cache_config.num_blocks} KV blocks")
+    print(
+        f"qwen2.5-1.5b bf16: 32 requests x 64 tokens in {elapsed:.2f} s = {32 * 64 / elapsed:.0f} output tok/s; {llm.engine.cache_config.num_blocks} KV blocks"
+    )

@@ -27,7 +27,9 @@ def _reference(model_dir, prompts: list[list[int]]) -> list[list[int]]:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     outputs = []
     for prompt, max_tokens in zip(prompts, MAX_TOKENS, strict=True):
-        ids = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
+        ids = model.generate(
+            torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False
+        )
         outputs.append(ids[0, len(prompt) :].tolist())
     return outputs
 

@@ -32,7 +32,11 @@ def test_seeded_request_is_reproducible_whatever_shares_its_batch(llm):
     alone = _tokens(llm, temperature=1.0, seed=3)
     batch = llm.generate(
         [[100 + i for i in range(30)], PROMPT, [2000, 2001]],
-        [SamplingParams(max_tokens=10, temperature=1.0), SamplingParams(max_tokens=24, temperature=1.0, seed=3, ignore_eos=True), SamplingParams(max_tokens=5)],
+        [
+            SamplingParams(max_tokens=10, temperature=1.0),
+            SamplingParams(max_tokens=24, temperature=1.0, seed=3, ignore_eos=True),
+            SamplingParams(max_tokens=5),
+        ],
     )
     assert batch[1].token_ids == alone
 
@@ -68,7 +72,9 @@ def test_stop_string_cuts_text_exactly(llm):
     assert len(full.text) > 12
     stop = full.text[7:11]
     first = full.text.find(stop)
-    out = llm.generate([PROMPT], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop]))[0]
+    out = llm.generate(
+        [PROMPT], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop])
+    )[0]
     assert out.text == full.text[:first]
     assert out.finish_reason == "stop"
     assert len(out.token_ids) < len(full.token_ids)
@@ -77,7 +83,9 @@ def test_stop_string_cuts_text_exactly(llm):
 def test_stop_token_ids_end_the_request(llm):
     full = _tokens(llm, temperature=0.0)
     stop_token = full[5]
-    out = llm.generate([PROMPT], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_token]))[0]
+    out = llm.generate(
+        [PROMPT], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_token])
+    )[0]
     assert out.token_ids == full[: full.index(stop_token) + 1]
     assert out.finish_reason == "stop"
 

@@ -22,17 +22,30 @@ EOS = 2
 
 
 def make(num_blocks=8, block_size=4, budget=8, max_seqs=4, max_model_len=64) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_seqs, budget, max_model_len), BlockAllocator(num_blocks, block_size), eos_token_ids=(EOS,))
+    return Scheduler(
+        SchedulerConfig(max_seqs, budget, max_model_len),
+        BlockAllocator(num_blocks, block_size),
+        eos_token_ids=(EOS,),
+    )
 
 
 def seq(seq_id: int, prompt_len: int, max_tokens: int = 4, **params) -> Sequence:
     prompt = [100 + seq_id * 1000 + i for i in range(prompt_len)]
-    return Sequence(seq_id, f"r{seq_id}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **params))
+    return Sequence(
+        seq_id,
+        f"r{seq_id}",
+        prompt,
+        SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **params),
+    )
 
 
 def fake_tokens(out: SchedulerOutput) -> list[int]:
     """Token = 10_000 x seq_id + the output index it was sampled for."""
-    return [10_000 * (s.seq.seq_id + 1) + (s.start + s.num_tokens - s.seq.num_prompt_tokens) for s in out.scheduled if s.samples]
+    return [
+        10_000 * (s.seq.seq_id + 1) + (s.start + s.num_tokens - s.seq.num_prompt_tokens)
+        for s in out.scheduled
+        if s.samples
+    ]
 
 
 def test_chunked_prefill_worked_example():
@@ -41,7 +54,10 @@ def test_chunked_prefill_worked_example():
     scheduler.add(a)
     scheduler.add(b)
     out = scheduler.schedule()
-    assert [(s.seq.seq_id, s.start, s.num_tokens, s.samples) for s in out.scheduled] == [(0, 0, 6, True), (1, 0, 2, False)]
+    assert [(s.seq.seq_id, s.start, s.num_tokens, s.samples) for s in out.scheduled] == [
+        (0, 0, 6, True),
+        (1, 0, 2, False),
+    ]
     assert scheduler.allocator.block_table(0) == [0, 1]
     assert scheduler.allocator.block_table(1) == [2]
     scheduler.update(out, fake_tokens(out))
@@ -130,7 +146,13 @@ class Request:
 
 
 requests_strategy = st.lists(
-    st.builds(Request, st.integers(1, 40), st.integers(1, 12), st.integers(0, 6), st.one_of(st.none(), st.integers(0, 30))),
+    st.builds(
+        Request,
+        st.integers(1, 40),
+        st.integers(1, 12),
+        st.integers(0, 6),
+        st.one_of(st.none(), st.integers(0, 30)),
+    ),
     min_size=1,
     max_size=10,
 )
@@ -148,7 +170,9 @@ def test_scheduler_properties(requests, block_size, num_blocks, budget, max_seqs
     max_seqs = min(max_seqs, budget)
     capacity = num_blocks * block_size
     # The engine refuses what cannot fit alone; seq ids follow arrival order, as the engine assigns them.
-    requests = sorted((r for r in requests if r.prompt_len + r.max_tokens <= capacity), key=lambda r: r.arrive_step)
+    requests = sorted(
+        (r for r in requests if r.prompt_len + r.max_tokens <= capacity), key=lambda r: r.arrive_step
+    )
     assume(requests)
     scheduler = make(num_blocks, block_size, budget, max_seqs, max_model_len=capacity)
     seqs = [seq(i, r.prompt_len, r.max_tokens) for i, r in enumerate(requests)]
@@ -173,7 +197,10 @@ def test_scheduler_properties(requests, block_size, num_blocks, budget, max_seqs
         assert len({s.seq.seq_id for s in out.scheduled}) == len(out.scheduled)
         for item in out.scheduled:
             assert item.start == computed[item.seq.seq_id]  # recompute starts where the cache is
-            assert len(scheduler.allocator.block_table(item.seq.seq_id)) * block_size >= item.start + item.num_tokens
+            assert (
+                len(scheduler.allocator.block_table(item.seq.seq_id)) * block_size
+                >= item.start + item.num_tokens
+            )
             computed[item.seq.seq_id] += item.num_tokens
             if item.seq.seq_id not in first_scheduled:
                 first_scheduled.append(item.seq.seq_id)

@@ -59,7 +59,11 @@ def test_tokenizer_has_exactly_the_vocab_size_with_specials_inside():
 def test_config_loads_in_transformers_and_engine(tiny_llama_model_dir):
     hf = AutoConfig.from_pretrained(tiny_llama_model_dir)
     ours = ModelConfig.from_dir(tiny_llama_model_dir)
-    assert (ours.num_layers, ours.num_kv_heads, ours.head_dim) == (hf.num_hidden_layers, hf.num_key_value_heads, hf.hidden_size // hf.num_attention_heads)
+    assert (ours.num_layers, ours.num_kv_heads, ours.head_dim) == (
+        hf.num_hidden_layers,
+        hf.num_key_value_heads,
+        hf.hidden_size // hf.num_attention_heads,
+    )
     assert ours.rope_scaling["rope_type"] == "llama3"
     assert not ours.tie_word_embeddings and not ours.attention_bias
 
