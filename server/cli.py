@@ -1,0 +1,177 @@
+"""`python -m server --model DIR ...`: parse flags, build the engine and the app, serve with uvicorn.
+
+Engine flags are spelled as vLLM spells them and mapped onto EngineArgs fields. `DrainingServer`
+adds the shutdown the issue asks for to uvicorn's: on SIGTERM/SIGINT new requests get 503 while the
+accepted ones finish (up to --shutdown-timeout, then they are aborted), then uvicorn closes and the
+process exits 0. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import socket
+import sys
+from collections.abc import Sequence
+from types import FrameType
+
+import uvicorn
+
+from engine import EngineArgs, LLMEngine
+from server.app import create_app
+from server.async_engine import AsyncEngine
+
+logger = logging.getLogger("server")
+
+# (flag as vLLM spells it, EngineArgs field, type, help)
+ENGINE_FLAGS: tuple[tuple[str, str, type, str], ...] = (
+    (
+        "--max-model-len",
+        "max_model_len",
+        int,
+        "context length (default: the model's max_position_embeddings)",
+    ),
+    ("--max-num-seqs", "max_num_seqs", int, "most sequences in one step"),
+    ("--max-num-batched-tokens", "max_num_batched_tokens", int, "token budget of one step"),
+    ("--block-size", "block_size", int, "tokens per KV cache block"),
+    ("--num-kv-blocks", "num_kv_blocks", int, "KV cache blocks (default: measured from free memory)"),
+    ("--kv-cache-memory", "kv_cache_memory", int, "bytes of KV cache (instead of --num-kv-blocks)"),
+    ("--gpu-memory-utilization", "gpu_memory_utilization", float, "fraction of GPU memory to use"),
+    ("--dtype", "dtype", str, "auto, float32, bfloat16 or float16"),
+    ("--device", "device", str, "auto, cpu or cuda[:N]"),
+    ("--seed", "seed", int, "random seed"),
+)
+DRAIN_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+UVICORN_GRACE_SECONDS = 5.0  # after the drain, for connections that still do not close
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m server", description="OpenAI-compatible HTTP server over the engine."
+    )
+    parser.add_argument("--model", required=True, help="Hugging Face model folder")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument(
+        "--port", type=int, default=8000, help="0 picks a free port (the ready line names it)"
+    )
+    parser.add_argument(
+        "--served-model-name", default=None, help="name clients use (default: --model as given)"
+    )
+    parser.add_argument(
+        "--max-pending",
+        type=int,
+        default=512,
+        help="accepted, unfinished requests past which new ones get 503",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get to finish on SIGTERM",
+    )
+    parser.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+    parser.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per request")
+    engine_group = parser.add_argument_group("engine")
+    for flag, field, kind, help_text in ENGINE_FLAGS:
+        engine_group.add_argument(flag, dest=field, type=kind, default=None, help=help_text)
+    engine_group.add_argument(
+        "--enforce-eager", dest="enforce_eager", action="store_true", default=None, help="no CUDA graphs"
+    )
+    return parser
+
+
+def engine_args(args: argparse.Namespace) -> EngineArgs:
+    """EngineArgs from the parsed flags; flags not given keep EngineArgs' defaults."""
+    given = {
+        name: getattr(args, name)
+        for name in EngineArgs.field_names()
+        if name != "model" and getattr(args, name, None) is not None
+    }
+    return EngineArgs(model=args.model, **given)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose first SIGTERM/SIGINT drains the engine before uvicorn shuts down."""
+
+    def __init__(
+        self, config: uvicorn.Config, async_engine: AsyncEngine, shutdown_timeout: float, model_name: str
+    ) -> None:
+        super().__init__(config)
+        self.async_engine = async_engine
+        self.shutdown_timeout = shutdown_timeout
+        self.model_name = model_name
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+        self._signalled = False
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and self.servers and self.servers[0].sockets:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            logger.info(
+                "ready: serving %r at http://%s:%d (engine on %s)",
+                self.model_name,
+                host,
+                port,
+                self.async_engine.engine.device,
+            )
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Runs as a signal handler on the event loop's thread; uvicorn's own version would also
+        # re-raise the signal after shutdown, turning a clean drain into exit status -15.
+        if self._signalled or self._loop is None:
+            logger.warning("second signal: exiting now")
+            self.should_exit = True
+            self.force_exit = True
+            return
+        self._signalled = True
+        logger.info("signal %d: refusing new requests, draining", sig)
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        try:
+            await self.async_engine.drain(self.shutdown_timeout)
+        finally:
+            self.should_exit = True
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        engine = LLMEngine(engine_args(args))
+    except (ValueError, FileNotFoundError, OSError) as error:
+        logger.error("cannot start the engine: %s", error)
+        return 2
+    app = create_app(
+        engine, args.served_model_name, max_pending=args.max_pending, shutdown_timeout=args.shutdown_timeout
+    )
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=not args.disable_uvicorn_access_log,
+        timeout_graceful_shutdown=UVICORN_GRACE_SECONDS,
+        lifespan="on",
+    )
+    server = DrainingServer(
+        config, app.state.async_engine, args.shutdown_timeout, app.state.served_model_name
+    )
+    server.run()
+    return 0 if server.started else 1
