@@ -1,0 +1,205 @@
+"""The Llama/Qwen2 decoder for paged inference: one module, since the two differ by config flags only.
+
+Qwen2 adds q/k/v bias and ties the output head to the embedding; Llama 3 adds llama3 rope scaling.
+Every op mirrors transformers' order and dtype handling (RMSNorm in float32, residual adds in the
+model dtype), which is what lets the tests compare greedy outputs token for token. q/k/v and
+gate/up projections are merged into one matmul each; `load_weights` maps the checkpoint's names.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import current_metadata
+from engine.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    """[head_dim / 2] float32, with llama3 scaling when the config asks for it."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if not scaling:
+        return inv_freq
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotation (halves), cos/sin precomputed in float32 for every position."""
+
+    cos_sin: torch.Tensor  # [max_positions, head_dim]: cos of each frequency, then sin
+
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.max_positions = max_positions
+        self.register_buffer("cos_sin", torch.empty(max_positions, config.head_dim), persistent=False)
+
+    def init_cache(self) -> None:
+        inv_freq = rope_inverse_frequencies(self.config).to(self.cos_sin.device)
+        positions = torch.arange(self.max_positions, device=inv_freq.device, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim / 2]
+        self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        half = self.config.head_dim // 2
+        cos_sin = self.cos_sin[positions]  # [num_tokens, head_dim]
+        cos = cos_sin[:, :half].repeat(1, 2)[:, None, :].to(q.dtype)
+        sin = cos_sin[:, half:].repeat(1, 2)[:, None, :].to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, backend) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.layer_index = layer_index
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.backend = backend
+        # [2, num_blocks, block_size, num_kv_heads, head_dim]; bound by the runner once sized.
+        self.kv_cache: torch.Tensor = torch.empty(0)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, self.kv_cache, current_metadata(), self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, backend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_index, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward(input_ids [num_tokens], positions [num_tokens]) -> hidden [num_tokens, hidden_size]."""
+
+    def __init__(self, config: ModelConfig, backend, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, backend) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config, max_positions)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rotary)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_sampled, vocab] in float32."""
+        return self.lm_head(hidden).float()
+
+    def bind_kv_caches(self, caches: list[torch.Tensor]) -> None:
+        attention: list[Attention] = [layer.self_attn for layer in self.layers]  # type: ignore[misc]
+        for module, cache in zip(attention, caches, strict=True):
+            module.kv_cache = cache
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors in, merging q/k/v and gate/up. Raises if any parameter is missing."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        q, kv = self.config.num_heads * self.config.head_dim, self.config.num_kv_heads * self.config.head_dim
+        inter = self.config.intermediate_size
+        merged = {
+            "q_proj": ("qkv_proj", 0, q),
+            "k_proj": ("qkv_proj", q, kv),
+            "v_proj": ("qkv_proj", q + kv, kv),
+            "gate_proj": ("gate_up_proj", 0, inter),
+            "up_proj": ("gate_up_proj", inter, inter),
+        }
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in merged:
+                target, offset, size = merged[parts[-2]]
+                full = ".".join([*parts[:-2], target, parts[-1]])
+                params[full].data[offset : offset + size].copy_(tensor)
+                loaded.add(f"{full}[{offset}]")
+                continue
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {name!r} matches no parameter of the model")
+            params[name].data.copy_(tensor)
+            loaded.add(name)
+        expected = set()
+        for name in params:
+            if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
+                expected |= {f"{name}[0]", f"{name}[{q}]", f"{name}[{q + kv}]"}
+            elif name.endswith("gate_up_proj.weight"):
+                expected |= {f"{name}[0]", f"{name}[{inter}]"}
+            elif not (name == "lm_head.weight" and self.config.tie_word_embeddings):
+                expected.add(name)
+        missing = expected - loaded
+        if missing:
+            raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:4]}")
