@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 import engine as engine_package
-from engine import LLMEngine, RequestOutput, SamplingParams
+from engine import InvalidRequestError, LLMEngine, RequestOutput, SamplingParams
 from server.async_engine import AdmissionError, AsyncEngine, EngineLoopError, RequestStream
 from server.errors import (
     APIError,
@@ -217,6 +217,8 @@ async def _events(
         async for index, output in stream:
             num_generated += len(output.new_token_ids)
             yield encoder.chunk(index, output.new_text, output.finish_reason if output.finished else None)
+    except InvalidRequestError as error:
+        yield sse_event(error_body(400, error.message, error.param))
     except EngineLoopError as error:
         yield sse_event(error_body(500, str(error)))
     else:

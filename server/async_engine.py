@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine import EngineStats, LLMEngine, RequestOutput, SamplingParams
+from engine import EngineStats, InvalidRequestError, LLMEngine, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -280,7 +280,9 @@ class AsyncEngine:
                     command.request_id, command.token_ids, command.params, command.arrival_time
                 )
             except Exception as error:  # a bad request fails alone; the loop goes on
-                logger.exception("add_request failed for %s", command.request_id)
+                if not isinstance(error, InvalidRequestError):
+                    logger.exception("add_request failed for %s", command.request_id)
+                    error = EngineLoopError(f"the engine could not take the request: {type(error).__name__}")
                 deliveries.append((command.stream, command.index, error))
                 return
             in_flight[command.request_id] = _InFlight(command.stream, command.index, command.arrival_time)

@@ -1,0 +1,39 @@
+"""Fixtures for the server tests: one tiny engine per session, the app behind httpx, live servers.
+
+`api` drives the app in-process through httpx's ASGITransport (no incremental streaming);
+`live_server` runs a real uvicorn on 127.0.0.1 in a thread, for streaming, disconnect and admission
+tests. The model folder comes from the top-level `tiny_model_dir` fixture.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from server_testing import ENGINE_OPTIONS, MODEL_NAME, LiveServer
+
+from engine import EngineArgs, LLMEngine
+from server import create_app
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_model_dir: Path) -> LLMEngine:
+    """Shared by every app in the session; each app's lifespan leaves it idle again."""
+    return LLMEngine(EngineArgs(model=str(tiny_model_dir), **ENGINE_OPTIONS))
+
+
+@pytest.fixture
+async def api(engine: LLMEngine) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(engine, MODEL_NAME, max_pending=64, shutdown_timeout=2.0)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as client:
+            yield client
+
+
+@pytest.fixture
+def live_server(engine: LLMEngine) -> Iterator[Callable[..., LiveServer]]:
+    """Factory: `with live_server(max_pending=2) as url:`."""
+    yield lambda **options: LiveServer(engine, **options)

@@ -1,0 +1,94 @@
+"""Helpers of the server tests: a live uvicorn in a thread, SSE and Prometheus text parsing.
+
+Imported by conftest.py and the test modules (pytest puts this folder on sys.path).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import uvicorn
+
+from engine import LLMEngine
+from server import create_app
+
+# Small and fast on two CPU cores: 64 blocks of 16 tokens hold two full 512-token contexts.
+ENGINE_OPTIONS: dict[str, Any] = {"max_model_len": 512, "num_kv_blocks": 64, "block_size": 16, "seed": 0}
+MODEL_NAME = "tiny"
+
+
+class LiveServer:
+    """uvicorn serving create_app(engine, ...) on 127.0.0.1:<free port> in a background thread."""
+
+    def __init__(self, engine: LLMEngine, **app_options: Any) -> None:
+        self.app = create_app(engine, MODEL_NAME, **{"shutdown_timeout": 2.0, **app_options})
+        config = uvicorn.Config(
+            self.app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=3
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text to {sample name with labels: value}."""
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+async def metric(client: httpx.AsyncClient, name: str) -> float:
+    response = await client.get("/metrics")
+    return parse_metrics(response.text)[name]
+
+
+async def wait_for_metric(
+    client: httpx.AsyncClient, name: str, predicate: Callable[[float], bool], timeout: float = 5.0
+) -> float:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await metric(client, name)
+        if predicate(value) or time.monotonic() > deadline:
+            return value
+        await asyncio.sleep(0.02)
+
+
+def sse_payloads(body: str) -> list[Any]:
+    """The `data:` payloads of an SSE body, JSON-decoded except the final "[DONE]"."""
+    payloads: list[Any] = []
+    for line in body.splitlines():
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            payloads.append(data if data == "[DONE]" else json.loads(data))
+    return payloads
+
+
+@asynccontextmanager
+async def streaming(
+    client: httpx.AsyncClient, path: str, body: dict[str, Any]
+) -> AsyncIterator[httpx.Response]:
+    async with client.stream("POST", path, json=body) as response:
+        yield response

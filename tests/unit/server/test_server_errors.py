@@ -1,0 +1,102 @@
+"""Every bad input the issue lists gets a 400 (404 for an unknown model) with an OpenAI-style body
+naming the field, never a 422 or a 500, and the server keeps serving afterwards.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+LONG_PROMPT = [7] * 600  # past max_model_len 512 on its own
+COMPLETION = "/v1/completions"
+CHAT = "/v1/chat/completions"
+
+# (path, JSON body, expected param)
+BAD_REQUESTS: list[tuple[str, Any, str | None]] = [
+    # wrong types of known fields
+    (COMPLETION, {"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+    (COMPLETION, {"prompt": "hi", "temperature": "hot"}, "temperature"),
+    (COMPLETION, {"prompt": 42}, "prompt"),
+    (COMPLETION, {"prompt": [1, "two"]}, "prompt"),
+    (COMPLETION, {"prompt": "hi", "stream": "maybe"}, "stream"),
+    (COMPLETION, {"prompt": "hi", "stop": 5}, "stop"),
+    (COMPLETION, {"prompt": "hi", "stream_options": "yes"}, "stream_options"),
+    (COMPLETION, {"max_tokens": 3}, "prompt"),  # missing
+    (CHAT, {"messages": "hello"}, "messages"),
+    (CHAT, {"messages": [{"content": "no role"}]}, "messages"),
+    # values the engine refuses
+    (COMPLETION, {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    (COMPLETION, {"prompt": "hi", "max_tokens": -5}, "max_tokens"),
+    (COMPLETION, {"prompt": "hi", "max_tokens": 600}, "max_tokens"),  # prompt + max_tokens past the context
+    (COMPLETION, {"prompt": LONG_PROMPT, "max_tokens": 1}, "prompt"),  # the prompt alone past it
+    (COMPLETION, {"prompt": [1, 2, 32000]}, "prompt"),  # outside the vocabulary
+    (COMPLETION, {"prompt": [-1]}, "prompt"),
+    (COMPLETION, {"prompt": ""}, "prompt"),
+    (COMPLETION, {"prompt": []}, "prompt"),
+    (COMPLETION, {"prompt": [[1, 2], []]}, "prompt"),
+    (COMPLETION, {"prompt": "hi", "temperature": -0.5}, "temperature"),
+    (COMPLETION, {"prompt": "hi", "top_p": 0}, "top_p"),
+    (COMPLETION, {"prompt": "hi", "top_k": -2}, "top_k"),
+    (COMPLETION, {"prompt": "hi", "stop": [""]}, "stop"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature"),
+    (CHAT, {"messages": [{"role": "user", "content": "x " * 600}]}, "prompt"),
+    (CHAT, {"messages": []}, "messages"),
+    # features refused clearly rather than ignored
+    (COMPLETION, {"prompt": "hi", "n": 2}, "n"),
+    (COMPLETION, {"prompt": "hi", "logprobs": 1}, "logprobs"),
+    (COMPLETION, {"prompt": "hi", "echo": True}, "echo"),
+    (COMPLETION, {"prompt": "hi", "best_of": 2}, "best_of"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "n": 3}, "n"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
+]
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None) -> None:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param and error["code"] == status and error["message"]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), BAD_REQUESTS)
+@pytest.mark.parametrize("stream", [False, True])
+async def test_bad_request_is_400_naming_the_field(
+    api: httpx.AsyncClient, path: str, body: dict[str, Any], param: str, stream: bool
+) -> None:
+    if stream and "stream" not in body:
+        body = {**body, "stream": True}
+    response = await api.post(path, json=body)
+    assert_error(response, 400, param)
+    assert response.json()["error"]["type"] == "BadRequestError"
+
+
+@pytest.mark.parametrize("content", [b'{"prompt": "hi",', b"not json", b"", b"[1, 2]", b'"a string"'])
+async def test_bad_json_is_400(api: httpx.AsyncClient, content: bytes) -> None:
+    response = await api.post(COMPLETION, content=content, headers={"content-type": "application/json"})
+    assert_error(response, 400, None)
+
+
+@pytest.mark.parametrize("path", [COMPLETION, CHAT])
+async def test_unknown_model_is_404(api: httpx.AsyncClient, path: str) -> None:
+    body = {"model": "gpt-nothing", "prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}
+    response = await api.post(path, json=body)
+    assert_error(response, 404, "model")
+    assert response.json()["error"]["type"] == "NotFoundError"
+    assert response.json()["error"]["message"] == "The model `gpt-nothing` does not exist."
+
+
+async def test_unknown_route_and_method(api: httpx.AsyncClient) -> None:
+    assert_error(await api.get("/v1/nothing"), 404, None)
+    assert_error(await api.get(COMPLETION), 405, None)
+
+
+async def test_still_serving_after_bad_requests(api: httpx.AsyncClient) -> None:
+    for path, body, _ in BAD_REQUESTS:
+        await api.post(path, json=body)
+    response = await api.post(COMPLETION, json={"prompt": [1, 2], "max_tokens": 2, "ignore_eos": True})
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2
+    metrics = (await api.get("/metrics")).text
+    assert "engine_kv_blocks_used 0.0" in metrics and "server_requests_pending 0.0" in metrics
