@@ -44,7 +44,7 @@ ENGINE_FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ("--seed", "seed", int, "random seed"),
 )
 DRAIN_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-UVICORN_GRACE_SECONDS = 5.0  # after the drain, for connections that still do not close
+UVICORN_GRACE_SECONDS = 5  # after the drain, for connections that still do not close
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,135 @@
+"""`python -m server` as a real subprocess on 127.0.0.1: the CLI flags reach the engine, the ready
+line names the port, and SIGTERM drains (the in-flight request finishes, a new one gets 503, exit 0)
+or, past --shutdown-timeout, aborts what is left and still exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+READY = re.compile(r"ready: serving .* at (http://127\.0\.0\.1:\d+)")
+
+
+class ServerProcess:
+    def __init__(self, model_dir: Path, log_path: Path, *flags: str) -> None:
+        command = [
+            sys.executable,
+            "-m",
+            "server",
+            "--model",
+            str(model_dir),
+            "--port",
+            "0",
+            "--max-model-len",
+            "512",
+            "--num-kv-blocks",
+            "64",
+            "--served-model-name",
+            "tiny",
+            *flags,
+        ]
+        self.log_path = log_path
+        self.log = log_path.open("w")
+        self.process = subprocess.Popen(
+            command,
+            cwd=REPO_ROOT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        self.url = self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 60) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            match = READY.search(self.log_path.read_text())
+            if match:
+                return match.group(1)
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"no ready line; log:\n{self.log_path.read_text()}")
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+        self.log.close()
+
+
+@pytest.fixture
+def start_server(tiny_model_dir: Path, tmp_path: Path) -> Iterator:
+    started: list[ServerProcess] = []
+
+    def start(*flags: str) -> ServerProcess:
+        server = ServerProcess(tiny_model_dir, tmp_path / f"server-{len(started)}.log", *flags)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.close()
+
+
+def stream_lines(client: httpx.Client, body: dict) -> tuple[httpx.Response, Iterator[str]]:
+    request = client.build_request("POST", "/v1/completions", json=body)
+    response = client.send(request, stream=True)
+    assert response.status_code == 200
+    return response, (line for line in response.iter_lines() if line.startswith("data: "))
+
+
+def test_sigterm_drains_in_flight_and_refuses_new(start_server) -> None:
+    server = start_server("--shutdown-timeout", "30", "--block-size", "16", "--seed", "0")
+    with (
+        httpx.Client(base_url=server.url, timeout=30) as client,
+        httpx.Client(base_url=server.url, timeout=30) as other,
+    ):
+        assert client.get("/health").json() == {"status": "ok"}
+        config = client.get("/version").json()["config"]
+        assert (config["max_model_len"], config["num_kv_blocks"], config["block_size"]) == (512, 64, 16)
+        assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
+
+        response, lines = stream_lines(
+            client, {"prompt": [1, 2, 3], "max_tokens": 300, "ignore_eos": True, "stream": True}
+        )
+        next(lines)  # generating
+        server.process.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        refused = other.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+        assert refused.status_code == 503 and "retry-after" in refused.headers
+        assert refused.json()["error"]["type"] == "ServiceUnavailableError"
+        rest = list(lines)
+        response.close()
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2][len("data: ") :])["choices"][0]["finish_reason"] == "length"
+    assert len(rest) - 1 == 299  # every token but the first, which was read before the signal
+    assert server.process.wait(20) == 0
+
+
+def test_sigterm_aborts_what_outlives_the_timeout(start_server) -> None:
+    server = start_server("--shutdown-timeout", "0.5")
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        response, lines = stream_lines(
+            client, {"prompt": [1, 2, 3], "max_tokens": 500, "ignore_eos": True, "stream": True}
+        )
+        next(lines)
+        server.process.send_signal(signal.SIGTERM)
+        rest = list(lines)
+        response.close()
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2][len("data: ") :])["choices"][0]["finish_reason"] == "abort"
+    assert len(rest) < 499
+    assert server.process.wait(20) == 0
+    assert "drain timeout: aborting 1 request(s)" in server.log_path.read_text()
