@@ -211,6 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     config = FakeServerConfig(**{f.name: getattr(args, f.name) for f in fields(FakeServerConfig)})
     sock = _bound_socket(args.port)
+    sock.listen(2048)  # connections made before uvicorn is up wait in the backlog instead of failing
     print(f"listening on http://127.0.0.1:{sock.getsockname()[1]}/v1", flush=True)
     uv_config = uvicorn.Config(create_app(config), log_level="warning", lifespan="off")
     uvicorn.Server(uv_config).run(sockets=[sock])

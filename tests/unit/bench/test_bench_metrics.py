@@ -1,0 +1,131 @@
+"""Metric definitions: the percentile function, row-derived figures, summaries, key directions."""
+
+import math
+
+import numpy as np
+import pytest
+
+from bench.metrics import (
+    HIGHER_IS_BETTER,
+    LOWER_IS_BETTER,
+    RequestRow,
+    Slo,
+    metric_direction,
+    parse_slo,
+    percentile,
+    summarize,
+)
+from bench.results import read_rows, write_rows
+
+
+def make_row(
+    index=0, scheduled=0.0, sent=None, first=0.1, done=1.0, tokens=10, status="ok", warmup=False, itls=None
+):
+    row = RequestRow(
+        "t", "open", 1.0, None, 0, index, warmup, 16, tokens, scheduled, scheduled if sent is None else sent
+    )
+    row.first_token_s, row.done_s, row.output_tokens, row.status = first, done, tokens, status
+    row.chunks = tokens
+    row.itls_s = list(itls) if itls is not None else [(done - first) / max(tokens - 1, 1)] * (tokens - 1)
+    return row
+
+
+class TestPercentile:
+    def test_matches_numpy_linear(self):
+        values = [0.3, 0.1, 0.2, 0.5, 0.4, 1.0, 0.7]
+        for percent in (0, 1, 50, 90, 99, 100):
+            assert percentile(values, percent) == pytest.approx(np.percentile(values, percent))
+
+    def test_p99_of_1_to_100(self):
+        assert percentile(range(1, 101), 99) == pytest.approx(99.01)
+        assert percentile(range(1, 101), 50) == pytest.approx(50.5)
+
+    @pytest.mark.parametrize("fraction", [0.5, 0.9, 0.99, 0.999])
+    def test_a_fraction_where_a_percent_is_expected_is_refused(self, fraction):
+        with pytest.raises(ValueError, match=r"percent.*did you mean"):
+            percentile([1.0, 2.0, 3.0], fraction)
+
+    @pytest.mark.parametrize("percent", [-1, 100.5, 990])
+    def test_out_of_range_is_refused(self, percent):
+        with pytest.raises(ValueError):
+            percentile([1.0], percent)
+
+    def test_empty_is_nan_and_nan_input_is_refused(self):
+        assert math.isnan(percentile([], 50))
+        with pytest.raises(ValueError, match="NaN"):
+            percentile([1.0, math.nan], 50)
+
+
+class TestRow:
+    def test_latencies_count_from_the_scheduled_time_not_the_send(self):
+        row = make_row(scheduled=1.0, sent=1.25, first=1.5, done=3.0, tokens=4)
+        assert row.ttft_s == pytest.approx(0.5)
+        assert row.e2e_s == pytest.approx(2.0)
+        assert row.send_lag_s == pytest.approx(0.25)
+        assert row.tpot_s == pytest.approx((2.0 - 0.5) / 3)
+
+    def test_tpot_needs_two_tokens(self):
+        assert math.isnan(make_row(tokens=1, itls=[]).tpot_s)
+
+    def test_csv_round_trip(self, tmp_path):
+        rows = [make_row(0, itls=[0.01, 0.02]), make_row(1, status="http_500", first=None, tokens=0, itls=[])]
+        rows[1].error = "boom, with a comma"
+        write_rows(tmp_path / "requests.csv", rows)
+        back = read_rows(tmp_path / "requests.csv")
+        assert back == rows
+
+
+class TestSummary:
+    def test_figures_from_known_rows(self):
+        rows = [
+            make_row(0, scheduled=0.0, first=0.2, done=1.0, tokens=5, warmup=True),  # left out
+            make_row(1, scheduled=1.0, first=1.1, done=2.0, tokens=10, itls=[0.1] * 9),
+            make_row(2, scheduled=1.5, first=2.5, done=3.0, tokens=10, itls=[0.05] * 8 + [0.1]),
+            make_row(3, scheduled=2.0, sent=2.1, first=2.3, done=5.0, tokens=4, itls=[0.9] * 3),
+            make_row(4, scheduled=2.5, first=None, done=2.6, tokens=0, status="http_500", itls=[]),
+        ]
+        s = summarize(rows, Slo(ttft_s=0.5, tpot_s=0.2))
+        assert (s["n_requests"], s["completed"], s["failures"]) == (4, 3, 1)
+        assert s["duration_s"] == pytest.approx(5.0 - 1.0)  # first scheduled (non-warm-up) -> last completion
+        assert s["served_req_s"] == pytest.approx(3 / 4.0)
+        assert s["output_tok_s"] == pytest.approx(24 / 4.0)
+        # row 1 meets the SLO; row 2 has TTFT 1.0; row 3 has TPOT (3.0 - 0.3) / 3 = 0.9
+        assert s["goodput_req_s"] == pytest.approx(1 / 4.0)
+        assert s["ttft_p50_s"] == pytest.approx(0.3)
+        assert s["ttft_mean_s"] == pytest.approx((0.1 + 1.0 + 0.3) / 3)
+        assert s["e2e_p50_s"] == pytest.approx(1.5)
+        itls = [0.1] * 9 + [0.05] * 8 + [0.1] + [0.9] * 3
+        assert s["itl_p50_s"] == pytest.approx(np.percentile(itls, 50))
+        assert s["itl_p99_s"] == pytest.approx(np.percentile(itls, 99))
+        assert s["tpot_p50_s"] == pytest.approx(0.1)  # of 0.9 / 9, 0.5 / 9 and 2.7 / 3
+        assert s["send_lag_p99_s"] == pytest.approx(np.percentile([0, 0, 0.1, 0], 99))
+
+    def test_no_completed_request(self):
+        s = summarize([make_row(0, first=None, tokens=0, status="timeout", itls=[])])
+        assert s["served_req_s"] == 0.0 and s["failures"] == 1 and math.isnan(s["ttft_p50_s"])
+
+    def test_slo_parsing(self):
+        assert parse_slo("ttft_s=0.5,tpot_s=0.05") == Slo(0.5, 0.05, None)
+        assert parse_slo("e2e_s=2") == Slo(None, None, 2.0)
+        with pytest.raises(ValueError, match="SLO"):
+            parse_slo("ttft=0.5")
+
+
+class TestDirection:
+    def test_every_summary_figure_has_a_direction(self):
+        s = summarize([make_row(0)])
+        identity = {"n_requests", "completed", "duration_s"}
+        for key in set(s) - identity:
+            assert metric_direction(key) is not None, key
+
+    def test_directions(self):
+        assert metric_direction("served_req_s") == "higher"
+        assert metric_direction("capacity_req_s") == "higher"
+        assert metric_direction("ttft_p50_s") == "lower"
+        assert metric_direction("e2e_p99_s") == "lower"
+        assert metric_direction("failures") == "lower"
+        assert HIGHER_IS_BETTER.isdisjoint(LOWER_IS_BETTER)
+
+    @pytest.mark.parametrize("key", ["rate", "concurrency", "ttft_p50_s_min", "served_req_s_max", "mode"])
+    def test_not_compared(self, key):
+        assert metric_direction(key) is None
