@@ -90,8 +90,12 @@ class Comparison:
             "limit",
             "",
         )
-        lines = [header]
+        lines: list[tuple[str, ...]] = [header]
+        previous = None
         for row in self.rows:
+            if previous is not None and row.level != previous:
+                lines.append(("",) * len(header))
+            previous = row.level
             limit = (
                 ""
                 if row.limit_pct is None
@@ -141,7 +145,7 @@ def compare_results(
         rows.append(_row("sweep", "capacity_req_s", base.capacity_req_s, new.capacity_req_s, max_drop))
     new_levels = {level_key(level): level for level in new.levels}
     unmatched = []
-    for level in sorted(base.levels, key=level_key):
+    for level in sorted(base.levels, key=_level_order):
         level_id = level_key(level)
         other = new_levels.pop(level_id, None)
         if other is None:
@@ -150,7 +154,7 @@ def compare_results(
         for metric in metrics:
             if metric in level and metric in other:
                 rows.append(_row(_level_name(level_id), metric, level[metric], other[metric], max_drop))
-    unmatched += [f"{_level_name(level_id)} ({new.target or 'new'})" for level_id in sorted(new_levels)]
+    unmatched += [f"{_level_name(level_id)} ({new.target or 'new'})" for level_id in new_levels]
     return Comparison(base.target, new.target, rows, unmatched)
 
 
@@ -167,6 +171,12 @@ def _row(level: str, metric: str, base: Any, new: Any, max_drop: Mapping[str, fl
         else:
             regressed = new_value > base_value * (1 + limit / 100)
     return ComparisonRow(level, metric, base_value, new_value, direction, limit, regressed)
+
+
+def _level_order(level: dict[str, Any]) -> tuple[bool, float]:
+    """Open-loop levels first, by rate, then closed-loop ones by concurrency."""
+    mode, value = level_key(level)
+    return (mode != "open", value)
 
 
 def _level_name(key: tuple[str, float]) -> str:

@@ -23,29 +23,40 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from bench.results import Result, level_key, load_result  # noqa: E402
 
+# (summary key, column header, format): latencies are stored in seconds and shown in milliseconds
 OPEN_COLUMNS = [
-    ("rate", "offered req/s", 3),
-    ("served_req_s", "served req/s", 3),
-    ("output_tok_s", "output tok/s", 4),
-    ("goodput_req_s", "goodput req/s", 3),
-    ("ttft_p50_s", "TTFT p50 s", 3),
-    ("ttft_p99_s", "TTFT p99 s", 3),
-    ("tpot_p50_s", "TPOT p50 s", 3),
-    ("itl_p50_s", "ITL p50 s", 3),
-    ("e2e_p50_s", "e2e p50 s", 3),
-    ("e2e_p99_s", "e2e p99 s", 3),
-    ("send_lag_p99_s", "send lag p99 s", 2),
-    ("failures", "failures", 0),
-    ("client_loop_lag_p99_s", "client lag p99 s", 2),
-    ("client_cpu_util", "client CPU", 2),
+    ("rate", "offered req/s", "rate"),
+    ("served_req_s", "served req/s", "rate"),
+    ("output_tok_s", "output tok/s", "tokens"),
+    ("goodput_req_s", "goodput req/s", "rate"),
+    ("ttft_p50_s", "TTFT p50 ms", "ms"),
+    ("ttft_p99_s", "TTFT p99 ms", "ms"),
+    ("tpot_p50_s", "TPOT p50 ms", "ms"),
+    ("itl_p50_s", "ITL p50 ms", "ms"),
+    ("itl_p99_s", "ITL p99 ms", "ms"),
+    ("e2e_p50_s", "e2e p50 ms", "ms"),
+    ("e2e_p99_s", "e2e p99 ms", "ms"),
+    ("send_lag_p99_s", "send lag p99 ms", "ms"),
+    ("failures", "failures", "count"),
+    ("client_loop_lag_p99_s", "client loop lag p99 ms", "ms"),
+    ("client_cpu_util", "client CPU", "percent"),
 ]
-CLOSED_COLUMNS = [("concurrency", "concurrency", 0)] + [c for c in OPEN_COLUMNS if c[0] != "rate"]
+CLOSED_COLUMNS = [("concurrency", "concurrency", "count")] + [c for c in OPEN_COLUMNS if c[0] != "rate"]
+FORMATS = {
+    "rate": lambda v: f"{v:.2f}",
+    "tokens": lambda v: f"{v:,.0f}",
+    "ms": lambda v: f"{v * 1e3:.1f}",
+    "count": lambda v: f"{v:.0f}",
+    "percent": lambda v: f"{v:.0%}",
+}
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 24px; color: #222; max-width: 1200px; }
 h1 { font-size: 22px; } h2 { font-size: 18px; margin-top: 28px; border-bottom: 1px solid #ddd; }
 table { border-collapse: collapse; font-size: 12px; margin: 8px 0 16px; }
 th, td { border: 1px solid #ddd; padding: 3px 6px; text-align: right; white-space: nowrap; }
-th { background: #f3f3f3; } td.text, th.text { text-align: left; }
+th { background: #f3f3f3; white-space: normal; vertical-align: bottom; max-width: 70px; }
+td.text, th.text { text-align: left; } .note { font-size: 12px; color: #555; }
+summary { cursor: pointer; }
 tr.first td { border-top: 2px solid #999; }
 img { max-width: 100%; } .warn { color: #a40; } .meta td { text-align: left; white-space: normal; }
 pre { font-size: 11px; background: #f7f7f7; padding: 6px; white-space: pre-wrap; margin: 0; }
@@ -106,34 +117,39 @@ def _targets_table(results: Sequence[Result]) -> str:
         body = server.get("body") if isinstance(server, dict) else None
         rtt = meta.get("rtt") or {}
         stream = meta.get("stream_check") or {}
-        capacity = ""
+        capacity = "-"
         if r.capacity_req_s is not None:
-            capacity = f"{r.capacity_req_s:.3g} req/s" + (
+            capacity = f"{r.capacity_req_s:.2f} req/s" + (
                 " (still rising)" if r.capacity_still_rising else ""
             )
         warnings = "".join(f"<div class='warn'>{html.escape(w)}</div>" for w in meta.get("warnings") or [])
         description = (
             body if body is not None else {k: meta[k] for k in ("version", "gpu", "dtype") if k in meta}
         )
+        headline = " ".join(
+            str(description.get(k)) for k in ("name", "version", "device", "gpu") if isinstance(description, dict)
+            and description.get(k)
+        )  # fmt: skip
         rows.append(
             "<tr>"
             f"<td class='text'>{html.escape(r.target)}</td>"
             f"<td class='text'>{html.escape(str(meta.get('model', '')))}</td>"
-            f"<td class='text'><pre>{html.escape(json.dumps(description, indent=1)[:1500])}</pre></td>"
-            f"<td>{_num(rtt.get('rtt_median_s'), 2)}</td>"
-            f"<td class='text'>{html.escape(str(stream.get('verdict', '')))}</td>"
+            f"<td class='text'><details><summary>{html.escape(headline or 'details')}</summary>"
+            f"<pre>{html.escape(json.dumps(description, indent=1)[:3000])}</pre></details></td>"
+            f"<td>{_num(rtt.get('rtt_median_s'), 'ms')}</td>"
+            f"<td class='text'>{html.escape(str(stream.get('verdict', '-')))}</td>"
             f"<td>{capacity}</td>"
             f"<td class='text'>{html.escape(str(meta.get('started_at', '')))}<br>{html.escape(r.path)}</td>"
-            f"<td class='text'>{warnings}</td></tr>"
+            f"<td class='text'>{warnings or '-'}</td></tr>"
         )
     head = "".join(
         f"<th class='text'>{h}</th>"
-        for h in ("target", "model", "server", "RTT s", "stream", "capacity", "run", "warnings")
+        for h in ("target", "model", "server", "RTT ms", "stream", "capacity", "run", "warnings")
     )
     return f"<table class='meta'><tr>{head}</tr>{''.join(rows)}</table>"
 
 
-def _levels_table(results: Sequence[Result], mode: str, columns: list[tuple[str, str, int]]) -> str:
+def _levels_table(results: Sequence[Result], mode: str, columns: list[tuple[str, str, str]]) -> str:
     """One row per (level, target), targets of one level adjacent so they read side by side."""
     entries = [(level_key(lv), i, r.target, lv) for i, r in enumerate(results) for lv in _levels(r, mode)]
     entries.sort(key=lambda entry: (entry[0], entry[1]))
@@ -143,19 +159,17 @@ def _levels_table(results: Sequence[Result], mode: str, columns: list[tuple[str,
     for key, _, target, level in entries:
         cls = " class='first'" if key != previous and previous is not None else ""
         previous = key
-        cells = "".join(f"<td>{_num(level.get(name), digits)}</td>" for name, _, digits in columns)
+        cells = "".join(f"<td>{_num(level.get(name), kind)}</td>" for name, _, kind in columns)
         body.append(f"<tr{cls}><td class='text'>{html.escape(target)}</td>{cells}</tr>")
     return f"<table><tr>{head}</tr>{''.join(body)}</table>"
 
 
-def _num(value: Any, digits: int) -> str:
+def _num(value: Any, kind: str) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     if isinstance(value, bool) or not isinstance(value, int | float):
         return html.escape(str(value))
-    if digits == 0:
-        return f"{value:.0f}"
-    return f"{value:.{digits}g}" if abs(value) >= 10 ** (digits - 1) or value == 0 else f"{value:.{digits}f}"
+    return FORMATS[kind](value)
 
 
 def _img(png: bytes) -> str:
@@ -163,7 +177,9 @@ def _img(png: bytes) -> str:
 
 
 def _series(result: Result, mode: str, x: str, y: str) -> tuple[list[float], list[float]]:
-    points = [(lv.get(x), lv.get(y)) for lv in _levels(result, mode)]
+    """(x, y) points of one result's levels; keys in seconds come back in milliseconds."""
+    scale = 1e3 if y.endswith("_s") and not y.endswith(("req_s", "tok_s")) else 1.0
+    points = [(lv.get(x), None if lv.get(y) is None else lv[y] * scale) for lv in _levels(result, mode)]
     kept = [(float(a), float(b)) for a, b in points if a is not None and b is not None]
     kept = [(a, b) for a, b in kept if not math.isnan(b)]
     return [a for a, _ in kept], [b for _, b in kept]
@@ -183,8 +199,8 @@ def _plot_open(results: Sequence[Result]) -> bytes:
                 ax.plot(x, y, style, color=color, label=f"{r.target} {stat}")
     axes[0].plot([0, highest], [0, highest], ":", color="gray", label="served = offered")
     axes[0].set(title="Served vs offered rate", xlabel="offered (req/s)", ylabel="served (req/s)")
-    axes[1].set(title="TTFT vs rate", xlabel="offered (req/s)", ylabel="seconds")
-    axes[2].set(title="End-to-end latency vs rate", xlabel="offered (req/s)", ylabel="seconds")
+    axes[1].set(title="TTFT vs rate", xlabel="offered (req/s)", ylabel="ms")
+    axes[2].set(title="End-to-end latency vs rate", xlabel="offered (req/s)", ylabel="ms")
     return _finish(fig, axes)
 
 
@@ -196,17 +212,20 @@ def _plot_closed(results: Sequence[Result]) -> bytes:
             x, y = _series(r, "closed", "concurrency", metric)
             ax.plot(x, y, "o-", color=color, label=r.target)
     axes[0].set(title="Output tokens/s vs concurrency", xlabel="concurrency", ylabel="tokens/s")
-    axes[1].set(title="TTFT p50 vs concurrency", xlabel="concurrency", ylabel="seconds")
-    axes[2].set(title="TPOT p50 vs concurrency", xlabel="concurrency", ylabel="seconds")
+    axes[1].set(title="TTFT p50 vs concurrency", xlabel="concurrency", ylabel="ms")
+    axes[2].set(title="TPOT p50 vs concurrency", xlabel="concurrency", ylabel="ms")
+    levels = sorted({float(lv["concurrency"]) for r in results for lv in _levels(r, "closed")})
     for ax in axes:
         ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [f"{x:g}" for x in levels])
+        ax.minorticks_off()
     return _finish(fig, axes)
 
 
 def _finish(fig: Any, axes: Any) -> bytes:
     for ax in axes:
         ax.grid(True, alpha=0.3)
-        ax.set_ylim(bottom=0)
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.08)  # from zero, with room above the highest point
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
     fig.tight_layout()
