@@ -51,7 +51,7 @@ def test_closed_loop_within_capacity(server):
     assert s["served_req_s"] == pytest.approx(CAPACITY, rel=0.15)
     assert s["output_tok_s"] == pytest.approx(s["served_req_s"] * TOKENS, rel=1e-9)
     assert s["goodput_req_s"] == s["served_req_s"]  # TTFT 0.1 <= 0.5 and TPOT 0.01 <= 0.05
-    assert s["send_lag_p99_s"] < 0.01
+    assert s["send_lag_p99_s"] < 0.02
     assert all(row.output_tokens == TOKENS and row.chunks == TOKENS for row in result.rows)
     assert s["client_loop_lag_p99_s"] < 0.05 and 0 <= s["client_cpu_util"] < 1
 
@@ -76,7 +76,7 @@ def test_open_loop_below_capacity(server):
     assert TTFT <= s["ttft_p99_s"] < TTFT + 0.03
     # served = n / (first arrival -> last completion) = n / ((n - 1) / rate + E2E)
     assert s["served_req_s"] == pytest.approx(n / ((n - 1) / rate + E2E), rel=0.05)
-    assert s["send_lag_p99_s"] < 0.01
+    assert s["send_lag_p99_s"] < 0.02
 
 
 def test_open_loop_past_saturation(server):
@@ -90,7 +90,7 @@ def test_open_loop_past_saturation(server):
     # the last request waits for every wave before it, minus its own arrival offset
     assert last.ttft_s == pytest.approx((waves - 1) * E2E + TTFT - (n - 1) / rate, rel=0.15)
     assert s["ttft_p99_s"] > 2 * E2E
-    assert s["send_lag_p99_s"] < 0.01  # arrivals went out on time although the server fell behind
+    assert s["send_lag_p99_s"] < 0.02  # arrivals went out on time although the server fell behind
 
 
 def test_workers_split_the_schedule(server):
@@ -99,8 +99,9 @@ def test_workers_split_the_schedule(server):
     assert all(row.worker == row.index % 2 for row in result.rows)
     s = result.summary
     assert s["workers"] == 2 and s["failures"] == 0
-    assert TTFT <= s["ttft_p50_s"] < TTFT + 0.03
-    assert s["served_req_s"] == pytest.approx(CAPACITY, rel=0.15)
+    # looser than in-process: two more Python processes share the cores with the server
+    assert TTFT <= s["ttft_p50_s"] < TTFT + 0.05
+    assert s["served_req_s"] == pytest.approx(CAPACITY, rel=0.25)
 
 
 def test_failures_are_kept_and_counted():
