@@ -171,6 +171,15 @@ def test_compare_reads_the_perf_summary(tmp_path):
     assert levels == {"sweep", "rate 2/s", "concurrency 8"}
 
 
+def test_report_reads_the_perf_summary(run_dir, tmp_path):
+    summary = tmp_path / "summary.json"
+    summary.write_text(json.dumps(summary_json(2.0, 0.1, 10.0)))
+    out = tmp_path / "report.html"
+    assert main(["report", str(summary), str(run_dir), "--out", str(out)]) == 0
+    page = out.read_text()
+    assert "ours" in page and "10.00 req/s" in page  # the summary's target and capacity
+
+
 def test_compare_a_run_with_a_summary(run_dir, tmp_path):
     summary = tmp_path / "summary.json"
     summary.write_text(json.dumps(summary_json(2.0, 0.1, 10.0)))
