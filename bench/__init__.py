@@ -1,5 +1,6 @@
 """Benchmark: replays a seeded workload against any OpenAI-compatible server over HTTP.
 
-workload -> runner -> client (one request -> RequestRow) -> metrics (summaries) -> results (files)
--> report (HTML) / compare (regressions). It imports nothing from `engine` or `server`.
+suite (a whole run) -> probe, runner -> workload, client (one request -> RequestRow) -> metrics
+(summaries) -> results (files) -> report (HTML) / compare (regressions). `python -m bench` is the CLI.
+It imports nothing from `engine` or `server`.
 """
