@@ -105,7 +105,7 @@ class EngineArgs:
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
-    enforce_eager: bool = False
+    enforce_eager: bool = False  # accepted as in vLLM; every step runs eagerly until CUDA graphs land
 
     @classmethod
     def field_names(cls) -> list[str]:

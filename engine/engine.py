@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,12 +37,20 @@ class RequestOutput:
 
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]
     new_token_ids: list[int]
     text: str
     new_text: str
     finished: bool
     finish_reason: str | None = None  # "stop", "length" or "abort"
+    # The sequence's output list (append-only) and how much of it this output covers: the full list is
+    # copied only when read, so a streaming consumer pays per new token, not per token so far.
+    _output_ref: list[int] = field(default_factory=list, repr=False)
+    _num_output_tokens: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        """All tokens generated so far."""
+        return self._output_ref[: self._num_output_tokens]
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -241,12 +249,13 @@ class LLMEngine:
                 RequestOutput(
                     request_id=seq.request_id,
                     prompt_token_ids=seq.prompt_token_ids,
-                    token_ids=list(seq.output_token_ids),
                     new_token_ids=new_ids,
                     text=text,
                     new_text=text[state.num_sent_chars :],
                     finished=finished,
                     finish_reason=seq.finish_reason,
+                    _output_ref=seq.output_token_ids,
+                    _num_output_tokens=len(seq.output_token_ids),
                 )
             )
             state.num_sent_tokens = len(seq.output_token_ids)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionMetadata, forward_context, get_backend
+from engine.attention.metadata import context_slots
 from engine.config import ModelConfig
 from engine.loader import iter_weights
 from engine.models import MODEL_CLASSES
@@ -152,15 +153,26 @@ class ModelRunner:
         def tensor(values: list) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
 
+        block_table_tensor = tensor(padded)
+        decode_slots = decode_mask = None
+        if num_decodes:
+            max_len = max(seq_lens[:num_decodes])
+            decode_slots = context_slots(block_table_tensor[:num_decodes], max_len, self.block_size)
+            decode_mask = (
+                torch.arange(max_len, device=self.device)[None, :] < tensor(seq_lens[:num_decodes])[:, None]
+            )
         meta = AttentionMetadata(
             slot_mapping=tensor(slots),
-            block_tables=tensor(padded),
+            block_tables=block_table_tensor,
             seq_lens=tensor(seq_lens),
             query_start_loc=tensor(query_start),
             seq_lens_cpu=seq_lens,
+            query_start_loc_cpu=query_start,
             query_lens_cpu=list(query_lens),
             num_decodes=num_decodes,
             block_size=self.block_size,
+            decode_slots=decode_slots,
+            decode_mask=decode_mask,
         )
         return meta, tensor(positions)
 

@@ -302,7 +302,15 @@ class AsyncEngine:
             self.engine.abort(request_id)
         except Exception:
             logger.exception("abort failed for %s", request_id)
-        aborted = RequestOutput(request_id, [], [], [], "", "", finished=True, finish_reason="abort")
+        aborted = RequestOutput(
+            request_id,
+            prompt_token_ids=[],
+            new_token_ids=[],
+            text="",
+            new_text="",
+            finished=True,
+            finish_reason="abort",
+        )
         deliveries.append((entry.stream, entry.index, aborted))
         if self.observer:
             self.observer.on_request_finished("abort", time.monotonic() - entry.arrival_time)

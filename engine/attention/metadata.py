@@ -28,13 +28,28 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [num_seqs] int64, context length after this step
     query_start_loc: torch.Tensor  # [num_seqs + 1] int64
     seq_lens_cpu: list[int]
+    query_start_loc_cpu: list[int]
     query_lens_cpu: list[int]
     num_decodes: int  # sequences 0..num_decodes-1 have exactly one query token each
     block_size: int
+    # For the decodes, built once per step and shared by every layer:
+    decode_slots: torch.Tensor | None = (
+        None  # [num_decodes, max_decode_len] cache slot of each context position
+    )
+    decode_mask: torch.Tensor | None = (
+        None  # [num_decodes, max_decode_len] bool, True where a position exists
+    )
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+
+def context_slots(block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """[batch, length] cache slot of each context position, from block tables [batch, max_blocks]."""
+    num_blocks = -(-length // block_size)
+    offsets = torch.arange(block_size, device=block_tables.device)
+    return (block_tables[:, :num_blocks, None] * block_size + offsets).flatten(1)[:, :length]
 
 
 _current: contextvars.ContextVar[AttentionMetadata | None] = contextvars.ContextVar(

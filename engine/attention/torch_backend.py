@@ -1,16 +1,21 @@
 """Reference paged attention in plain torch: correct on any device, used on CPU and as the CUDA fallback.
 
-Decode sequences (one query token each) are batched: their K/V are gathered from the paged cache into a
-padded [batch, max_len] layout and masked. Prefill chunks run one sequence at a time with a causal mask
-offset by the tokens already in the cache. The Triton backend (later) must agree with this one.
+Decode sequences (one query token each) are batched: their K/V are gathered from the paged cache
+through slot indices the runner builds once per step (shared by all layers), and attended with plain
+matmuls. Prefill chunks run one sequence at a time through SDPA with a causal mask offset by the
+tokens already in the cache. Any faster backend must agree with this one.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata, context_slots
+
+# cuDNN's SDPA builds a new plan for every shape (milliseconds of host time per call): keep it out.
+_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class TorchAttentionBackend:
@@ -37,54 +42,45 @@ class TorchAttentionBackend:
         out = torch.empty_like(query)
         if meta.num_decodes:
             out[: meta.num_decodes] = self._decode(query[: meta.num_decodes], kv_cache, meta, scale)
-        starts = meta.query_start_loc.tolist() if meta.num_decodes < meta.num_seqs else []
+        starts = meta.query_start_loc_cpu
         for i in range(meta.num_decodes, meta.num_seqs):
-            start, end = starts[i], starts[i + 1]
-            out[start:end] = self._prefill(query[start:end], kv_cache, meta, i, scale)
+            out[starts[i] : starts[i + 1]] = self._prefill(
+                query[starts[i] : starts[i + 1]], kv_cache, meta, i, scale
+            )
         return out
-
-    def _gather(
-        self, kv_cache: torch.Tensor, block_tables: torch.Tensor, max_len: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the given block tables: [batch, max_len, num_kv_heads, head_dim] each."""
-        block_size = kv_cache.shape[2]
-        num_blocks = -(-max_len // block_size)
-        offsets = torch.arange(block_size, device=block_tables.device)
-        slots = (block_tables[:, :num_blocks, None] * block_size + offsets).flatten(1)[:, :max_len]
-        flat = kv_cache.flatten(1, 2)
-        return flat[0][slots], flat[1][slots]
 
     def _decode(
         self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        n = meta.num_decodes
-        max_len = max(meta.seq_lens_cpu[:n])
-        keys, values = self._gather(kv_cache, meta.block_tables[:n], max_len)
-        positions = torch.arange(max_len, device=query.device)
-        mask = positions[None, :] < meta.seq_lens[:n, None]  # [n, max_len]
-        out = F.scaled_dot_product_attention(
-            query.unsqueeze(2),  # [n, heads, 1, dim]
-            keys.transpose(1, 2),  # [n, kv_heads, max_len, dim]
-            values.transpose(1, 2),
-            attn_mask=mask[:, None, None, :],
-            scale=scale,
-            enable_gqa=True,
-        )
-        return out.squeeze(2)
+        """Batched single-token attention as plain matmuls: no per-shape kernel plans, GQA without copies."""
+        assert meta.decode_slots is not None and meta.decode_mask is not None
+        n, num_heads, head_dim = query.shape
+        flat = kv_cache.flatten(1, 2)
+        keys = flat[0][meta.decode_slots]  # [n, max_len, kv_heads, dim]
+        values = flat[1][meta.decode_slots]
+        kv_heads = keys.shape[2]
+        q = query.view(n, kv_heads, num_heads // kv_heads, head_dim)  # [n, kv_heads, group, dim]
+        scores = torch.einsum("nhgd,nlhd->nhgl", q.float(), keys.float()) * scale
+        scores = scores.masked_fill(~meta.decode_mask[:, None, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1).to(values.dtype)
+        out = torch.einsum("nhgl,nlhd->nhgd", probs, values)
+        return out.reshape(n, num_heads, head_dim)
 
     def _prefill(
         self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, i: int, scale: float
     ) -> torch.Tensor:
         q_len, ctx_len = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
-        keys, values = self._gather(kv_cache, meta.block_tables[i : i + 1], ctx_len)
+        slots = context_slots(meta.block_tables[i : i + 1], ctx_len, meta.block_size)[0]
+        flat = kv_cache.flatten(1, 2)
         q = query.transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, dim]
-        k = keys.transpose(1, 2)
-        v = values.transpose(1, 2)
-        if q_len == ctx_len:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-        else:
-            # Query token j sits at position ctx_len - q_len + j and sees every key up to it.
-            rows = torch.arange(q_len, device=query.device)[:, None] + (ctx_len - q_len)
-            mask = torch.arange(ctx_len, device=query.device)[None, :] <= rows
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        k = flat[0][slots].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, ctx_len, dim]
+        v = flat[1][slots].transpose(0, 1).unsqueeze(0)
+        with sdpa_kernel(_SDPA_BACKENDS):
+            if q_len == ctx_len:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            else:
+                # Query token j sits at position ctx_len - q_len + j and sees every key up to it.
+                rows = torch.arange(q_len, device=query.device)[:, None] + (ctx_len - q_len)
+                mask = torch.arange(ctx_len, device=query.device)[None, :] <= rows
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1)

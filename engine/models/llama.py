@@ -70,12 +70,17 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim / 2]
         self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin_for(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for these positions, [num_tokens, 1, head_dim] each: computed once per step, used by every layer."""
         half = self.config.head_dim // 2
         cos_sin = self.cos_sin[positions]  # [num_tokens, head_dim]
-        cos = cos_sin[:, :half].repeat(1, 2)[:, None, :].to(q.dtype)
-        sin = cos_sin[:, half:].repeat(1, 2)[:, None, :].to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        cos = cos_sin[:, :half].repeat(1, 2)[:, None, :].to(dtype)
+        sin = cos_sin[:, half:].repeat(1, 2)[:, None, :].to(dtype)
+        return cos, sin
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -99,13 +104,13 @@ class Attention(nn.Module):
         # [2, num_blocks, block_size, num_kv_heads, head_dim]; bound by the runner once sized.
         self.kv_cache: torch.Tensor = torch.empty(0)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, k, *rope)
         out = self.backend.forward(q, k, v, self.kv_cache, current_metadata(), self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -130,8 +135,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -151,8 +156,9 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.cos_sin_for(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, self.rotary)
+            x = layer(x, rope)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
