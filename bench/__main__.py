@@ -113,7 +113,16 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("new")
     default_drop = ",".join(f"{k}={v:g}%" for k, v in DEFAULT_MAX_DROP.items())
     compare.add_argument(
-        "--max-drop", default=default_drop, help=f"allowed worsening per metric (default {default_drop})"
+        "--max-drop",
+        default=default_drop,
+        help=f"allowed worsening per metric (default {default_drop}); a row regresses only when its "
+        "worsening is also larger than the two sides' trial spreads added up",
+    )
+    compare.add_argument(
+        "--format",
+        choices=["text", "markdown"],
+        default="text",
+        help="text: an aligned table; markdown: a GitHub-flavoured table (e.g. for $GITHUB_STEP_SUMMARY)",
     )
     return parser
 
@@ -180,8 +189,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_drop = parse_max_drop(args.max_drop)
     except ValueError as exc:
         parser.error(str(exc))
-    comparison = compare_results(args.base, args.new, max_drop)
-    print(comparison.table())
+    try:
+        comparison = compare_results(args.base, args.new, max_drop)
+    except (OSError, ValueError) as exc:  # a missing or unreadable result is a usage error, not a regression
+        parser.error(str(exc))
+    print(comparison.markdown() if args.format == "markdown" else comparison.table())
     return 1 if comparison.regressions else 0
 
 

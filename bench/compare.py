@@ -1,8 +1,9 @@
-"""Compare two results level by level and flag regressions past a threshold.
+"""Compare two results level by level and flag regressions past a threshold and past the trial noise.
 
 `compare_results(base, new, max_drop)` takes anything bench.results.load_result reads (run folders,
-run.json, perf-tier summary JSON); which way is better comes from bench.metrics.metric_direction.
-The CLI's `compare` prints `Comparison.table()` and exits non-zero when `regressions` is not empty.
+run.json, perf-tier summary JSON with `<key>_min`/`<key>_max` beside each median); which way is
+better comes from bench.metrics.metric_direction. The CLI's `compare` prints `Comparison.table()` or
+`Comparison.markdown()` and exits non-zero when `regressions` is not empty.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ SHOWN_METRICS = (
     "e2e_p99_s",
     "failures",
 )
+# meta["machine"] fields that make two measurements come from different machines, in the order the
+# note names them.
+MACHINE_FIELDS = ("hostname", "gpu", "cpu_model", "cpu_count")
 
 
 def parse_max_drop(text: str) -> dict[str, float]:
@@ -49,10 +53,34 @@ def parse_max_drop(text: str) -> dict[str, float]:
 
 
 @dataclass(frozen=True)
+class Figure:
+    """One side of a row: the median over trials and, when trials were run, their min and max."""
+
+    value: float
+    low: float | None = None
+    high: float | None = None
+
+    @property
+    def spread_pct(self) -> float:
+        """(max − min) / median in percent; 0 for a single run or when it is undefined."""
+        if self.low is None or self.high is None or self.value == 0:
+            return 0.0
+        spread = (self.high - self.low) / abs(self.value) * 100
+        return spread if math.isfinite(spread) else 0.0
+
+    def text(self) -> str:
+        if self.low is None or self.high is None or self.low == self.high:
+            return _fmt(self.value)
+        return f"{_fmt(self.value)} [{_fmt(self.low)}, {_fmt(self.high)}]"
+
+
+@dataclass(frozen=True)
 class ComparisonRow:
-    """One metric at one level. `ratio` = new / base. `limit_pct` is the allowed worsening in percent:
-    a higher-is-better metric regresses when new < base x (1 − limit/100), a lower-is-better one when
-    new > base x (1 + limit/100)."""
+    """One metric at one level. `ratio` = new / base. `limit_pct` is the allowed worsening in percent
+    and `noise_pct` = spread(base) + spread(new), how far two trial ranges can drift apart with no
+    real change. A row regresses when its worsening is past the limit (higher-is-better: new < base x
+    (1 − limit/100); lower-is-better: new > base x (1 + limit/100)) and larger than `noise_pct`.
+    `within_noise`: past the limit but not past the noise."""
 
     level: str
     metric: str
@@ -61,12 +89,46 @@ class ComparisonRow:
     direction: str
     limit_pct: float | None
     regressed: bool
+    base_low: float | None = None
+    base_high: float | None = None
+    new_low: float | None = None
+    new_high: float | None = None
+    past_limit: bool = False
 
     @property
     def ratio(self) -> float:
         if self.base == 0:
             return math.nan if self.new == 0 else math.inf
         return self.new / self.base
+
+    @property
+    def noise_pct(self) -> float:
+        base = Figure(self.base, self.base_low, self.base_high)
+        new = Figure(self.new, self.new_low, self.new_high)
+        return base.spread_pct + new.spread_pct
+
+    @property
+    def within_noise(self) -> bool:
+        return self.past_limit and not self.regressed
+
+    def cells(self) -> tuple[str, ...]:
+        limit = (
+            ""
+            if self.limit_pct is None
+            else f"{'-' if self.direction == 'higher' else '+'}{self.limit_pct:g}%"
+        )
+        noise = f"±{self.noise_pct:.1f}%" if self.noise_pct > 0 else ""
+        verdict = "REGRESSION" if self.regressed else "within noise" if self.within_noise else ""
+        return (
+            self.level,
+            self.metric,
+            Figure(self.base, self.base_low, self.base_high).text(),
+            Figure(self.new, self.new_low, self.new_high).text(),
+            _fmt(self.ratio, 3),
+            limit,
+            noise,
+            verdict,
+        )
 
 
 @dataclass
@@ -75,50 +137,78 @@ class Comparison:
     new_target: str
     rows: list[ComparisonRow]
     unmatched: list[str] = field(default_factory=list)  # levels found on one side only
+    machine_note: str | None = None  # set when base and new were measured on different machines
 
     @property
     def regressions(self) -> list[ComparisonRow]:
         return [row for row in self.rows if row.regressed]
 
-    def table(self) -> str:
-        header = (
-            "level",
-            "metric",
-            self.base_target or "base",
-            self.new_target or "new",
-            "new/base",
-            "limit",
-            "",
+    @property
+    def within_noise(self) -> list[ComparisonRow]:
+        return [row for row in self.rows if row.within_noise]
+
+    def header(self) -> tuple[str, ...]:
+        base, new = self.base_target or "base", self.new_target or "new"
+        if base == new:
+            base, new = f"{base} (base)", f"{new} (new)"
+        return ("level", "metric", base, new, "new/base", "limit", "noise", "verdict")
+
+    def verdict(self) -> str:
+        count = len(self.regressions)
+        text = (
+            f"{count} regression{'s' if count != 1 else ''} past the limits and the noise"
+            if count
+            else "no regressions"
         )
+        if self.within_noise:
+            text += f"; {len(self.within_noise)} past the limits but within noise"
+        return text
+
+    def table(self) -> str:
+        header = self.header()
         lines: list[tuple[str, ...]] = [header]
         previous = None
         for row in self.rows:
             if previous is not None and row.level != previous:
                 lines.append(("",) * len(header))
             previous = row.level
-            limit = (
-                ""
-                if row.limit_pct is None
-                else f"{'-' if row.direction == 'higher' else '+'}{row.limit_pct:g}%"
-            )
-            verdict = "REGRESSION" if row.regressed else ""
-            lines.append(
-                (row.level, row.metric, _fmt(row.base), _fmt(row.new), _fmt(row.ratio, 3), limit, verdict)
-            )
+            lines.append(row.cells())
         widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
         text = [
             "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
             for line in lines
         ]
         text += [f"only on one side: {name}" for name in self.unmatched]
-        count = len(self.regressions)
-        text.append(
-            f"{count} regression{'s' if count != 1 else ''} past the limits" if count else "no regressions"
-        )
+        if self.machine_note:
+            text.append(self.machine_note)
+        text.append(self.verdict())
         return "\n".join(text)
 
+    def markdown(self) -> str:
+        """A GitHub-flavoured table for a job summary: verdict, machine note, table, unmatched levels."""
+        mark = "❌" if self.regressions else "✅"
+        text = [f"### bench compare: {self.base_target or 'base'} → {self.new_target or 'new'}", ""]
+        text += [f"{mark} **{self.verdict()}**", ""]
+        if self.machine_note:
+            text += [f"> {self.machine_note}", ""]
+        header = self.header()
+        text.append("| " + " | ".join(_md(cell) for cell in header) + " |")
+        text.append("|" + "|".join(["---", "---", "---:", "---:", "---:", "---:", "---:", "---"]) + "|")
+        for row in self.rows:
+            cells = list(row.cells())
+            if cells[-1] == "REGRESSION":
+                cells[-1] = "**REGRESSION**"
+            text.append("| " + " | ".join(_md(cell) for cell in cells) + " |")
+        if self.unmatched:
+            text += ["", *[f"- only on one side: {_md(name)}" for name in self.unmatched]]
+        return "\n".join(text) + "\n"
 
-def _fmt(value: float, digits: int = 4) -> str:
+
+def _md(cell: str) -> str:
+    return cell.replace("|", "\\|")
+
+
+def _fmt(value: float | None, digits: int = 4) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     if isinstance(value, float) and math.isinf(value):
@@ -142,7 +232,9 @@ def compare_results(
     metrics = list(SHOWN_METRICS) + [key for key in max_drop if key not in SHOWN_METRICS]
     rows: list[ComparisonRow] = []
     if base.capacity_req_s is not None and new.capacity_req_s is not None:
-        rows.append(_row("sweep", "capacity_req_s", base.capacity_req_s, new.capacity_req_s, max_drop))
+        base_figure = _figure({**base.meta, "capacity_req_s": base.capacity_req_s}, "capacity_req_s", base)
+        new_figure = _figure({**new.meta, "capacity_req_s": new.capacity_req_s}, "capacity_req_s", new)
+        rows.append(_row("sweep", "capacity_req_s", base_figure, new_figure, max_drop))
     new_levels = {level_key(level): level for level in new.levels}
     unmatched = []
     for level in sorted(base.levels, key=_level_order):
@@ -153,24 +245,98 @@ def compare_results(
             continue
         for metric in metrics:
             if metric in level and metric in other:
-                rows.append(_row(_level_name(level_id), metric, level[metric], other[metric], max_drop))
+                rows.append(
+                    _row(
+                        _level_name(level_id),
+                        metric,
+                        _figure(level, metric, base),
+                        _figure(other, metric, new),
+                        max_drop,
+                    )
+                )
     unmatched += [f"{_level_name(level_id)} ({new.target or 'new'})" for level_id in new_levels]
-    return Comparison(base.target, new.target, rows, unmatched)
+    return Comparison(base.target, new.target, rows, unmatched, machine_note(base, new))
 
 
-def _row(level: str, metric: str, base: Any, new: Any, max_drop: Mapping[str, float]) -> ComparisonRow:
+def _figure(figures: Mapping[str, Any], metric: str, result: Result) -> Figure:
+    """The median `figures[metric]` with its `_min`/`_max`, unless the level (or else the result) says
+    it was a single trial."""
+    value = math.nan if figures.get(metric) is None else float(figures[metric])
+    low, high = _number(figures.get(f"{metric}_min")), _number(figures.get(f"{metric}_max"))
+    if figures.get("trials", result.meta.get("trials")) == 1 or low is None or high is None:
+        return Figure(value)
+    return Figure(value, low, high)
+
+
+def _number(value: Any) -> float | None:
+    """A float, or None for a missing or NaN value."""
+    if value is None:
+        return None
+    number = float(value)
+    return None if math.isnan(number) else number
+
+
+def _row(level: str, metric: str, base: Figure, new: Figure, max_drop: Mapping[str, float]) -> ComparisonRow:
     direction = metric_direction(metric)
     assert direction is not None
-    base_value = math.nan if base is None else float(base)
-    new_value = math.nan if new is None else float(new)
     limit = max_drop.get(metric)
-    regressed = False
-    if limit is not None and not (math.isnan(base_value) or math.isnan(new_value)):
+    past_limit = regressed = False
+    if limit is not None and not (math.isnan(base.value) or math.isnan(new.value)):
         if direction == "higher":
-            regressed = new_value < base_value * (1 - limit / 100)
+            past_limit = new.value < base.value * (1 - limit / 100)
         else:
-            regressed = new_value > base_value * (1 + limit / 100)
-    return ComparisonRow(level, metric, base_value, new_value, direction, limit, regressed)
+            past_limit = new.value > base.value * (1 + limit / 100)
+        regressed = past_limit and _worsening_pct(base.value, new.value, direction) > (
+            base.spread_pct + new.spread_pct
+        )
+    return ComparisonRow(
+        level,
+        metric,
+        base.value,
+        new.value,
+        direction,
+        limit,
+        regressed,
+        base.low,
+        base.high,
+        new.low,
+        new.high,
+        past_limit,
+    )
+
+
+def _worsening_pct(base: float, new: float, direction: str) -> float:
+    """How much worse new is than base, in percent of base (negative when better)."""
+    change = (base - new) if direction == "higher" else (new - base)
+    if base == 0:
+        return math.inf if change > 0 else -math.inf if change < 0 else 0.0
+    return change / abs(base) * 100
+
+
+def machine_note(base: Result, new: Result) -> str | None:
+    """A line saying the two results were measured on different machines, or None when the fields
+    both sides record (hostname, gpu, cpu_model, cpu_count of meta["machine"]) agree."""
+    base_machine, new_machine = base.meta.get("machine"), new.meta.get("machine")
+    if not isinstance(base_machine, dict) or not isinstance(new_machine, dict):
+        return None
+    shared = [
+        key
+        for key in MACHINE_FIELDS
+        if base_machine.get(key) not in (None, "") and new_machine.get(key) not in (None, "")
+    ]
+    if all(str(base_machine[key]) == str(new_machine[key]) for key in shared):
+        return None
+
+    def describe(machine: dict[str, Any]) -> str:
+        parts = [str(machine[key]) for key in shared if key != "cpu_count"]
+        if "cpu_count" in shared:
+            parts.append(f"{machine['cpu_count']} cpus")
+        return "/".join(parts)
+
+    return (
+        f"note: base measured on {describe(base_machine)}, new on {describe(new_machine)}: machines "
+        "differ, so ratios are a reference, not a same-machine measurement"
+    )
 
 
 def _level_order(level: dict[str, Any]) -> tuple[bool, float]:
