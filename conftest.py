@@ -42,3 +42,52 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_llama_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Llama layout (untied, llama3 rope scaling), no chat template, weights split over several files."""
     return _synthetic(tmp_path_factory, "tiny-llama", max_shard_bytes=8 << 20)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """Options of the perf tier (`pytest -m perf`); see tests/perf/conftest.py."""
+    group = parser.getgroup("perf", "performance tier against a stored vLLM baseline")
+    group.addoption(
+        "--target",
+        choices=["engine", "vllm", "both"],
+        default="engine",
+        help="server(s) to measure; both = vLLM then the engine, same machine",
+    )
+    group.addoption(
+        "--model",
+        default=None,
+        help="a synthetic preset or a model folder (default: qwen2.5-1.5b on GPU, tiny on CPU)",
+    )
+    group.addoption(
+        "--profile", choices=["smoke", "full"], default=None, help="default: full on GPU, smoke on CPU"
+    )
+    group.addoption(
+        "--trials", type=int, default=None, help="timed rounds per case (default: 3 on GPU, 1 on CPU)"
+    )
+    group.addoption(
+        "--server-url",
+        default=None,
+        help="measure a server that is already running (…/v1) instead of starting one",
+    )
+    group.addoption(
+        "--baseline",
+        default=None,
+        help="reference summary JSON (default: baselines/<gpu>/<model>/vllm-seed-mix.json, else engine-seed-mix.json)",
+    )
+    group.addoption(
+        "--save-baseline",
+        action="store_true",
+        help="store each target's summary under baselines/<gpu>/<model>/",
+    )
+    group.addoption(
+        "--perf-out",
+        default="perf-out",
+        help="folder for summaries, server logs, the HTML report and synthetic models",
+    )
+
+
+def pytest_benchmark_update_machine_info(config: pytest.Config, machine_info: dict) -> None:
+    """pytest-benchmark records no GPU, driver or library versions: add them."""
+    from bench.machine import describe_machine
+
+    machine_info["perf"] = describe_machine()

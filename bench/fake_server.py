@@ -74,10 +74,14 @@ def create_app(config: FakeServerConfig) -> Starlette:
             {"name": "fake-server", "version": "0", "model": config.model, "config": asdict(config)}
         )
 
+    async def health(request: Request) -> Response:
+        return JSONResponse({})
+
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models),
         Route("/version", version),
+        Route("/health", health),
     ]
     return Starlette(routes=routes)
 

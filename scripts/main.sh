@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Set-up, then the main job: write the tiny synthetic checkpoint and generate from it.
+# Set-up, then the main job: the benchmark end to end. Without a GPU: the tiny preset on CPU against
+# this project's server (smoke profile); with a GPU: the full profile on qwen2.5-1.5b. Prints the
+# summary table and writes perf-out/report.html. Extra arguments go to pytest (e.g. --target both).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-MODEL=${MODEL:-models/tiny}
-[ -f "$MODEL/config.json" ] || python3 -m engine.synthetic --preset tiny --out "$MODEL"
-python3 -m engine --model "$MODEL" --prompt "the quick brown fox" --max-tokens 32 --temperature 0
+python3 -m pytest -m perf -rs "$@"
+echo "report: perf-out/report.html; summaries: perf-out/*-seed-mix.json"

@@ -1,0 +1,163 @@
+"""Start and stop the OpenAI-compatible server under test as a subprocess: this project's or vLLM's.
+
+The perf tier starts one server per target, waits for /health (vLLM may take minutes), measures, and
+always stops it, the whole process group, on failure too. vLLM is found as an ordinary install or, for
+a staged copy, through PERF_VLLM_ENV: a shell file sourced before starting it (it sets PYTHONPATH and
+whatever else the staged site needs).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+VLLM_ENV_VARIABLE = "PERF_VLLM_ENV"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class ServerSpec:
+    """How to start one target. `args` are the target's own flags, recorded in the summary."""
+
+    target: str  # "engine" or "vllm"
+    model_dir: str
+    port: int
+    args: list[str] = field(default_factory=list)
+    env_file: str | None = None  # sourced before a vLLM start
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def command(self) -> list[str]:
+        host = ["--host", "127.0.0.1", "--port", str(self.port)]
+        if self.target == "engine":
+            return [sys.executable, "-m", "server", "--model", self.model_dir, *host, *self.args]
+        if self.target == "vllm":
+            launch = [
+                sys.executable,
+                "-m",
+                "vllm.entrypoints.cli.main",
+                "serve",
+                self.model_dir,
+                *host,
+                *self.args,
+            ]
+            if self.env_file:
+                return ["bash", "-c", 'source "$0" && exec "$@"', self.env_file, *launch]
+            return launch
+        raise ValueError(f"unknown target {self.target!r} (engine or vllm)")
+
+
+def engine_args(dtype: str, max_model_len: int, seed: int = 0) -> list[str]:
+    return ["--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", str(seed)]
+
+
+def vllm_args(dtype: str, max_model_len: int, seed: int = 0) -> list[str]:
+    """The baseline's definition: same dtype and context as the engine, no prefix caching, vLLM's defaults otherwise."""
+    return [
+        "--dtype",
+        dtype,
+        "--max-model-len",
+        str(max_model_len),
+        "--no-enable-prefix-caching",
+        "--seed",
+        str(seed),
+    ]
+
+
+def vllm_unavailable_reason() -> str | None:
+    """None when vLLM can be started here, else why not."""
+    env_file = os.environ.get(VLLM_ENV_VARIABLE)
+    if env_file:
+        return None if Path(env_file).is_file() else f"{VLLM_ENV_VARIABLE}={env_file} is not a file"
+    try:
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is not None:
+            return None
+    except (ImportError, ValueError):
+        pass
+    return (
+        f"vLLM is not installed: `pip install vllm`, or set {VLLM_ENV_VARIABLE} to a staged site's env file"
+    )
+
+
+class ServerProcess:
+    """A running server; use as a context manager so it is stopped whatever happens."""
+
+    def __init__(self, spec: ServerSpec, log_path: str | Path) -> None:
+        self.spec = spec
+        self.log_path = Path(log_path)
+        self.process: subprocess.Popen[bytes] | None = None
+        self.ready_after_s: float | None = None
+
+    def start(self, timeout_s: float) -> ServerProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("wb")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        started = time.monotonic()
+        self.process = subprocess.Popen(
+            self.spec.command(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+        log.close()
+        health = self.spec.base_url.removesuffix("/v1") + "/health"
+        while time.monotonic() - started < timeout_s:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"{self.spec.target} server exited with {self.process.returncode} before it was ready:\n{self.log_tail()}"
+                )
+            try:
+                if httpx.get(health, timeout=2.0).status_code == 200:
+                    self.ready_after_s = time.monotonic() - started
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(
+            f"{self.spec.target} server not healthy after {timeout_s:.0f} s:\n{self.log_tail()}"
+        )
+
+    def stop(self, grace_s: float = 30.0) -> int | None:
+        """SIGTERM to the whole process group, SIGKILL after grace_s; returns the exit code."""
+        if self.process is None or self.process.poll() is not None:
+            return None if self.process is None else self.process.returncode
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            return self.process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            return self.process.wait()
+        except ProcessLookupError:
+            return self.process.wait()
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

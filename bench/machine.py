@@ -1,0 +1,81 @@
+"""What the figures were measured on: GPU, driver, CPU model, cores, host, library versions.
+
+pytest-benchmark records none of the GPU facts, and the perf tier flags a stored baseline measured on
+another machine, so the description is made here once, from nvidia-smi and /proc (no torch import).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import re
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any
+
+
+def _nvidia_smi(query: str) -> str | None:
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    first = out.stdout.strip().splitlines()
+    return first[0].strip() if out.returncode == 0 and first else None
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def gpu_slug(gpu_name: str | None) -> str:
+    """'NVIDIA H200' -> 'nvidia-h200': lowercased, every run of non-alphanumerics one '-'; no GPU -> 'cpu'."""
+    if not gpu_name:
+        return "cpu"
+    return re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-")
+
+
+def describe_machine() -> dict[str, Any]:
+    gpu = _nvidia_smi("name")
+    return {
+        "gpu": gpu,
+        "gpu_slug": gpu_slug(gpu),
+        "gpu_driver": _nvidia_smi("driver_version"),
+        "gpu_memory": _nvidia_smi("memory.total"),
+        "cpu_model": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "hostname": socket.gethostname(),
+        "python": platform.python_version(),
+        "torch": _version("torch"),
+        "engine": _version("paged-engine"),
+        "vllm": _version("vllm"),
+    }
+
+
+def same_machine(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
+    """Same GPU, CPU model, core count and host; unknown (missing) descriptions count as different."""
+    if not a or not b:
+        return False
+    return all(a.get(key) == b.get(key) for key in ("gpu", "cpu_model", "cpu_count", "hostname"))

@@ -1,0 +1,359 @@
+"""The perf tier's machinery: settings from the command line, the server under test, the recorder.
+
+`pytest -m perf` measures each target (`--target engine|vllm|both`; both = vLLM first, then the
+engine, on the same machine) with bench's seed-mix workload. A session fixture starts the target's
+server once (or uses `--server-url`), warms it up, and always stops it. The recorder keeps every
+trial's figures, checks budgets (tests/perf/budgets.toml) against the reference, and at the end writes
+one summary JSON per target (and, with --save-baseline, stores it under baselines/<gpu>/<model>/).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.budgets import BudgetCheck, load_budgets
+from bench.client import Endpoint
+from bench.launch import ServerProcess, ServerSpec, engine_args, free_port, vllm_args, vllm_unavailable_reason
+from bench.machine import describe_machine, same_machine
+from bench.probe import first_model, probe
+from bench.report import write_report
+from bench.runner import LoadConfig, SweepConfig, run_closed_loop
+from bench.trials import summarize_trials
+from bench.workload import WorkloadSpec
+
+REPO = Path(__file__).resolve().parents[2]
+BUDGETS_FILE = Path(__file__).with_name("budgets.toml")
+MAX_MODEL_LEN = 4352  # seed-mix prompts reach 4,096 tokens, plus up to 256 generated
+SEED_MIX = WorkloadSpec(kind="seed-mix", seed=0)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """How much load each case sends. `full` fits a 10-minute command per target and trial (levels by
+    duration); `smoke` exercises the whole pipeline on CPU in a few minutes."""
+
+    name: str
+    sweep: SweepConfig
+    sweep_load: LoadConfig
+    concurrencies: tuple[int, ...]
+    closed_load: LoadConfig
+    warmup: LoadConfig
+    warmup_concurrency: int
+
+
+PROFILES = {
+    "full": Profile(
+        name="full",
+        sweep=SweepConfig(start_rate=2.0, max_levels=9),
+        sweep_load=LoadConfig(duration_s=20.0, progress=False),
+        concurrencies=(1, 8, 32, 128, 256),
+        closed_load=LoadConfig(duration_s=20.0, progress=False),
+        warmup=LoadConfig(duration_s=20.0, progress=False),
+        warmup_concurrency=64,
+    ),
+    "smoke": Profile(
+        name="smoke",
+        sweep=SweepConfig(start_rate=0.5, max_levels=4),
+        sweep_load=LoadConfig(n_requests=8, progress=False),
+        concurrencies=(1, 4),
+        closed_load=LoadConfig(n_requests=6, progress=False),
+        warmup=LoadConfig(n_requests=4, progress=False),
+        warmup_concurrency=4,
+    ),
+}
+
+
+@dataclass
+class PerfSettings:
+    machine: dict[str, Any]
+    model: str  # preset name or folder, as given
+    profile: Profile
+    trials: int
+    targets: list[str]
+    server_url: str | None
+    baseline: str | None
+    save_baseline: bool
+    out: Path
+
+    @property
+    def gpu(self) -> bool:
+        return self.machine["gpu"] is not None
+
+    @property
+    def model_key(self) -> str:
+        return Path(self.model).name
+
+    @property
+    def dtype(self) -> str:
+        return "bfloat16" if self.gpu else "float32"
+
+    def baseline_dir(self) -> Path:
+        return REPO / "baselines" / self.machine["gpu_slug"] / self.model_key
+
+
+def settings(config: pytest.Config) -> PerfSettings:
+    cached = getattr(config, "_perf_settings", None)
+    if cached is not None:
+        return cached
+    machine = describe_machine()
+    gpu = machine["gpu"] is not None
+    target = config.getoption("--target")
+    server_url = config.getoption("--server-url")
+    if server_url and target == "both":
+        raise pytest.UsageError(
+            "--server-url measures one running server: use --target engine or vllm with it"
+        )
+    result = PerfSettings(
+        machine=machine,
+        model=config.getoption("--model") or ("qwen2.5-1.5b" if gpu else "tiny"),
+        profile=PROFILES[config.getoption("--profile") or ("full" if gpu else "smoke")],
+        trials=config.getoption("--trials") or (3 if gpu else 1),
+        targets=["vllm", "engine"] if target == "both" else [target],
+        server_url=server_url,
+        baseline=config.getoption("--baseline"),
+        save_baseline=config.getoption("--save-baseline"),
+        out=Path(config.getoption("--perf-out")),
+    )
+    config._perf_settings = result  # type: ignore[attr-defined]
+    return result
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    perf = settings(metafunc.config)
+    if "target" in metafunc.fixturenames:
+        metafunc.parametrize("target", perf.targets, scope="session")
+    if "concurrency" in metafunc.fixturenames:
+        metafunc.parametrize("concurrency", perf.profile.concurrencies)
+
+
+@pytest.fixture(scope="session")
+def perf(pytestconfig: pytest.Config) -> PerfSettings:
+    return settings(pytestconfig)
+
+
+def model_dir(perf: PerfSettings) -> str:
+    """A folder as given, or the preset's synthetic checkpoint (written once under perf-out/models)."""
+    if Path(perf.model).is_dir():
+        return str(Path(perf.model).resolve())
+    from engine.synthetic import PRESETS, write_checkpoint
+
+    if perf.model not in PRESETS:
+        raise pytest.UsageError(
+            f"--model {perf.model!r} is neither a folder nor a preset ({sorted(PRESETS)})"
+        )
+    folder = (perf.out / "models" / perf.model).resolve()
+    if not (folder / "config.json").is_file():
+        write_checkpoint(perf.model, folder, dtype="bfloat16")
+    return str(folder)
+
+
+# -- the recorder ----------------------------------------------------------------------------------
+@dataclass
+class TargetRecord:
+    target: str
+    header: dict[str, Any]
+    sweep_trials: list[dict[str, Any]] = field(default_factory=list)
+    closed_trials: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    checks: list[BudgetCheck] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self, trials: int) -> dict[str, Any]:
+        closed = [
+            [levels[i] for levels in self.closed_trials.values() if i < len(levels)] for i in range(trials)
+        ]
+        return summarize_trials(
+            header=self.header, sweep_trials=self.sweep_trials, closed_trials=closed, trials=trials
+        )
+
+
+@dataclass
+class Reference:
+    summary: dict[str, Any]
+    source: str
+    same_machine: bool
+
+    @property
+    def target(self) -> str:
+        return str(self.summary.get("target"))
+
+
+class Recorder:
+    def __init__(self, perf: PerfSettings) -> None:
+        self.perf = perf
+        self.records: dict[str, TargetRecord] = {}
+        self.budgets = load_budgets(BUDGETS_FILE)
+
+    def reference_for(self, target: str) -> Reference | None:
+        """vLLM measured in this session, else --baseline, else the stored vLLM result, else the stored
+        engine result for this GPU and model. None when there is none (or when vLLM is the target)."""
+        if target == "vllm":
+            return None
+        if "vllm" in self.records and self.records["vllm"].sweep_trials:
+            return Reference(
+                self.records["vllm"].summary(self.perf.trials), "vLLM measured in this session", True
+            )
+        candidates = (
+            [Path(self.perf.baseline)]
+            if self.perf.baseline
+            else [self.perf.baseline_dir() / f"{name}-seed-mix.json" for name in ("vllm", "engine")]
+        )
+        for path in candidates:
+            if path.is_file():
+                summary = json.loads(path.read_text())
+                return Reference(
+                    summary,
+                    str(path.relative_to(REPO) if path.is_relative_to(REPO) else path),
+                    same_machine(summary.get("machine"), self.perf.machine),
+                )
+        return None
+
+    def check(self, target: str, checks_for) -> None:
+        """Assert budgets against the reference; skips, saying why, when there is nothing to hold to."""
+        record = self.records[target]
+        if target == "vllm":
+            return  # vLLM is the reference: measured and recorded, nothing to hold it to
+        reference = self.reference_for(target)
+        if reference is None:
+            pytest.skip(
+                f"no baseline for {self.perf.machine['gpu_slug']}/{self.perf.model_key} (looked in {self.perf.baseline_dir().relative_to(REPO)}): figures recorded, budgets not checked"
+            )
+        budgets = self.budgets.get(reference.target)
+        if not budgets:
+            pytest.skip(f"{BUDGETS_FILE.name} has no budgets against a {reference.target!r} reference")
+        checks = checks_for(reference.summary, budgets)
+        record.checks += checks
+        flag = (
+            ""
+            if reference.same_machine
+            else " [reference measured on another machine: a reference, not a same-machine ratio]"
+        )
+        note = f"against {reference.source}{flag}"
+        if note not in record.notes:
+            record.notes.append(note)
+        failed = [c.describe() for c in checks if not c.passed]
+        assert not failed, f"budgets missed {note}:\n" + "\n".join(failed)
+
+    def write(self) -> list[Path]:
+        """One summary JSON per measured target; with --save-baseline, also under baselines/."""
+        written = []
+        for target, record in self.records.items():
+            if not record.sweep_trials and not record.closed_trials:
+                continue
+            summary = record.summary(self.perf.trials)
+            path = self.perf.out / f"{target}-seed-mix.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(summary, indent=2, allow_nan=False, default=_no_nan) + "\n")
+            written.append(path)
+            if self.perf.save_baseline:
+                stored = self.perf.baseline_dir() / path.name
+                stored.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(path, stored)
+                record.notes.append(f"stored as {stored.relative_to(REPO)}")
+        if written:
+            write_report(written, self.perf.out / "report.html")
+        return written
+
+
+def _no_nan(value: object) -> object:
+    raise TypeError(f"not JSON serializable: {value!r}")
+
+
+@pytest.fixture(scope="session")
+def recorder(perf: PerfSettings, pytestconfig: pytest.Config):
+    rec = Recorder(perf)
+    pytestconfig._perf_recorder = rec  # type: ignore[attr-defined]
+    yield rec
+    rec.write()
+
+
+# -- the server under test -------------------------------------------------------------------------
+@dataclass
+class ServerUnderTest:
+    target: str
+    endpoint: Endpoint
+
+
+@pytest.fixture(scope="session")
+def server(target: str, perf: PerfSettings, recorder: Recorder):
+    """Start the target's server (or use --server-url), describe it, warm it up; always stop it."""
+    process = None
+    try:
+        if perf.server_url:
+            base_url, server_args = perf.server_url.rstrip("/"), []
+        else:
+            if target == "vllm" and (reason := vllm_unavailable_reason()):
+                pytest.skip(reason)
+            folder = model_dir(perf)
+            server_args = (
+                vllm_args(perf.dtype, MAX_MODEL_LEN)
+                if target == "vllm"
+                else engine_args(perf.dtype, MAX_MODEL_LEN)
+            )
+            spec = ServerSpec(
+                target, folder, free_port(), server_args, env_file=os.environ.get("PERF_VLLM_ENV")
+            )
+            process = ServerProcess(spec, perf.out / f"{target}-server.log")
+            process.start(timeout_s=300.0 if target == "vllm" else 180.0)
+            base_url = spec.base_url
+        endpoint = Endpoint(base_url=base_url, model=first_model(base_url), target=target)
+        described = probe(endpoint)
+        body = (described.get("server") or {}).get("body") or {}  # type: ignore[union-attr]
+        recorder.records[target] = TargetRecord(
+            target,
+            header={
+                "target": target,
+                "version": body.get("version") if isinstance(body, dict) else None,
+                "gpu": perf.machine["gpu"],
+                "model": perf.model_key,
+                "dtype": "bfloat16"
+                if perf.gpu
+                else (body.get("config", {}).get("dtype") if isinstance(body, dict) else None),
+                "workload": "seed-mix",
+                "profile": perf.profile.name,
+                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "machine": perf.machine,
+                "server_args": server_args,
+                "server": described.get("server"),
+                "server_ready_s": process.ready_after_s if process else None,
+            },
+        )
+        # Warm-up, kept out of every figure: a first trial on a cold server ran 7% high on the H200.
+        run_closed_loop(
+            endpoint,
+            WorkloadSpec(kind="seed-mix", seed=1),
+            perf.profile.warmup_concurrency,
+            perf.profile.warmup,
+        )
+        yield ServerUnderTest(target, endpoint)
+    finally:
+        if process is not None:
+            process.stop()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    recorder: Recorder | None = getattr(config, "_perf_recorder", None)
+    if recorder is None or not recorder.records:
+        return
+    terminalreporter.section("perf: figures and budgets")
+    for target, record in recorder.records.items():
+        summary = record.summary(recorder.perf.trials)
+        terminalreporter.write_line(
+            f"{target}: capacity {summary.get('capacity_req_s')} req/s (still rising: {summary.get('capacity_still_rising')}), {recorder.perf.trials} trial(s), profile {recorder.perf.profile.name}"
+        )
+        for level in summary["closed_loop"]:
+            terminalreporter.write_line(
+                f"  concurrency {level['concurrency']:g}: {level['output_tok_s']:.1f} tok/s (min {level['output_tok_s_min']:.1f}, max {level['output_tok_s_max']:.1f}), TTFT p50 {level['ttft_p50_s']:.3f} s, TPOT p50 {level['tpot_p50_s']:.4f} s"
+            )
+        for note in record.notes:
+            terminalreporter.write_line(f"  {note}")
+        for check in record.checks:
+            terminalreporter.write_line(f"  {check.describe()}")
+    terminalreporter.write_line(f"summaries and report under {recorder.perf.out}/")

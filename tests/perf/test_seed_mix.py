@@ -1,0 +1,76 @@
+"""The perf cases: bench's seed-mix workload as an open-loop sweep to saturation, and closed loops.
+
+Each case runs `--trials` timed rounds through pytest-benchmark (so --benchmark-json holds every
+figure, in bench's flat keys, in extra_info), hands the figures to the recorder, and asserts the
+budgets against the reference (vLLM, or a stored result) for this GPU and model.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.budgets import check_closed, check_sweep
+from bench.runner import run_closed_loop, run_sweep
+from bench.trials import CLOSED_LOOP_KEYS, OPEN_LOOP_KEYS, spread
+from conftest import SEED_MIX  # tests/perf/conftest.py
+
+pytestmark = pytest.mark.perf
+
+
+def test_open_loop_sweep(benchmark, server, target, perf, recorder):
+    trials = []
+
+    def trial() -> None:
+        result = run_sweep(server.endpoint, SEED_MIX, perf.profile.sweep_load, perf.profile.sweep)
+        levels = [
+            {"rate": level.summary["rate"], **{k: level.summary[k] for k in OPEN_LOOP_KEYS}}
+            for level in result.levels
+        ]
+        trials.append(
+            {
+                "capacity_req_s": result.capacity_req_s,
+                "capacity_still_rising": result.capacity_still_rising,
+                "levels": levels,
+            }
+        )
+
+    benchmark.pedantic(trial, rounds=perf.trials, iterations=1)
+    record = recorder.records[target]
+    record.sweep_trials = trials
+    capacity = spread([t["capacity_req_s"] for t in trials], "capacity_req_s")
+    benchmark.extra_info.update(
+        target=target,
+        case="sweep",
+        capacity_still_rising=any(t["capacity_still_rising"] for t in trials),
+        **capacity,
+    )
+    benchmark.extra_info["open_loop"] = record.summary(perf.trials)["open_loop"]
+    assert all(level["failures"] == 0 for t in trials for level in t["levels"]), (
+        "requests failed during the sweep"
+    )
+    summary = record.summary(perf.trials)
+    recorder.check(
+        target,
+        lambda reference, budgets: check_sweep(
+            summary["capacity_req_s"], summary["open_loop"], reference, budgets
+        ),
+    )
+
+
+def test_closed_loop(benchmark, server, target, concurrency, perf, recorder):
+    trials = []
+
+    def trial() -> None:
+        result = run_closed_loop(server.endpoint, SEED_MIX, concurrency, perf.profile.closed_load)
+        trials.append({"concurrency": concurrency, **{k: result.summary[k] for k in CLOSED_LOOP_KEYS}})
+
+    benchmark.pedantic(trial, rounds=perf.trials, iterations=1)
+    recorder.records[target].closed_trials[concurrency] = trials
+    folded = {}
+    for key in CLOSED_LOOP_KEYS:
+        folded.update(spread([t[key] for t in trials], key))
+    benchmark.extra_info.update(target=target, case="closed_loop", concurrency=concurrency, **folded)
+    assert folded["failures_max"] == 0, (
+        f"{folded['failures_max']:g} requests failed at concurrency {concurrency}"
+    )
+    recorder.check(target, lambda reference, budgets: check_closed(concurrency, folded, reference, budgets))
