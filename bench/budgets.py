@@ -9,12 +9,11 @@ budget, under 0.5 for throughput or over 2 for latency, must say why in one line
 from __future__ import annotations
 
 import math
+import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from bench.metrics import metric_direction
 

@@ -50,7 +50,7 @@ def run_benchmark(config: RunConfig) -> dict[str, Any]:
     Open-loop rates run first, then the sweep, then closed-loop concurrencies. All rows share one
     clock whose zero is the start of the first level.
     """
-    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     probed = probe(config.endpoint)
     stream_check = probed["stream_check"]
     warnings: list[str] = []
@@ -78,7 +78,7 @@ def run_benchmark(config: RunConfig) -> dict[str, Any]:
         "target": config.endpoint.target,
         "model": config.endpoint.model,
         "started_at": started,
-        "finished_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "finished_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "config": describe_config(config),
         **probed,
         "client": {"python": platform.python_version(), "platform": platform.platform(), "argv": sys.argv},

@@ -173,12 +173,12 @@ class AsyncEngine:
             logger.info("draining: waiting up to %.1fs for %d request(s)", timeout, self._num_pending)
             try:
                 await asyncio.wait_for(self._idle.wait(), timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 logger.warning("drain timeout: aborting %d request(s)", self._num_pending)
                 self._commands.put(_AbortAll())
                 try:
                     await asyncio.wait_for(self._idle.wait(), 5.0)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     logger.error("engine loop did not abort %d request(s) in time", self._num_pending)
         logger.info("drained")
 

@@ -59,6 +59,16 @@ PROFILES = {
         warmup=LoadConfig(duration_s=20.0, progress=False),
         warmup_concurrency=64,
     ),
+    # Capacity and the closed loop at 1 and 128 of both targets in one 10-minute command (--target both).
+    "short": Profile(
+        name="short",
+        sweep=SweepConfig(start_rate=2.0, max_levels=8),
+        sweep_load=LoadConfig(duration_s=10.0, progress=False),
+        concurrencies=(1, 128),
+        closed_load=LoadConfig(duration_s=15.0, progress=False),
+        warmup=LoadConfig(duration_s=10.0, progress=False),
+        warmup_concurrency=32,
+    ),
     "smoke": Profile(
         name="smoke",
         sweep=SweepConfig(start_rate=0.5, max_levels=4),
@@ -318,7 +328,7 @@ def server(target: str, perf: PerfSettings, recorder: Recorder):
                 else (body.get("config", {}).get("dtype") if isinstance(body, dict) else None),
                 "workload": "seed-mix",
                 "profile": perf.profile.name,
-                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 "machine": perf.machine,
                 "server_args": server_args,
                 "server": described.get("server"),
