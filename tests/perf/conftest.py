@@ -62,11 +62,11 @@ PROFILES = {
     # Capacity and the closed loop at 1 and 128 of both targets in one 10-minute command (--target both).
     "short": Profile(
         name="short",
-        sweep=SweepConfig(start_rate=2.0, max_levels=8),
-        sweep_load=LoadConfig(duration_s=10.0, progress=False),
+        sweep=SweepConfig(start_rate=4.0, max_levels=7),
+        sweep_load=LoadConfig(duration_s=8.0, progress=False),
         concurrencies=(1, 128),
-        closed_load=LoadConfig(duration_s=15.0, progress=False),
-        warmup=LoadConfig(duration_s=10.0, progress=False),
+        closed_load=LoadConfig(duration_s=10.0, progress=False),
+        warmup=LoadConfig(duration_s=8.0, progress=False),
         warmup_concurrency=32,
     ),
     "smoke": Profile(
@@ -228,6 +228,7 @@ class Recorder:
     def check(self, target: str, checks_for) -> None:
         """Assert budgets against the reference; skips, saying why, when there is nothing to hold to."""
         record = self.records[target]
+        self.write(final=False)
         if target == "vllm":
             return  # vLLM is the reference: measured and recorded, nothing to hold it to
         reference = self.reference_for(target)
@@ -251,8 +252,10 @@ class Recorder:
         failed = [c.describe() for c in checks if not c.passed]
         assert not failed, f"budgets missed {note}:\n" + "\n".join(failed)
 
-    def write(self) -> list[Path]:
-        """One summary JSON per measured target; with --save-baseline, also under baselines/."""
+    def write(self, final: bool = True) -> list[Path]:
+        """One summary JSON per measured target; with --save-baseline, also under baselines/.
+
+        Called after every case too (final=False), so a run cut short still leaves its figures."""
         written = []
         for target, record in self.records.items():
             if not record.sweep_trials and not record.closed_trials:
@@ -262,12 +265,12 @@ class Recorder:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(summary, indent=2, allow_nan=False, default=_no_nan) + "\n")
             written.append(path)
-            if self.perf.save_baseline:
+            if self.perf.save_baseline and final:
                 stored = self.perf.baseline_dir() / path.name
                 stored.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(path, stored)
                 record.notes.append(f"stored as {stored.relative_to(REPO)}")
-        if written:
+        if written and final:
             write_report(written, self.perf.out / "report.html")
         return written
 
