@@ -59,7 +59,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="a synthetic preset or a model folder (default: qwen2.5-1.5b on GPU, tiny on CPU)",
     )
     group.addoption(
-        "--profile", choices=["smoke", "full"], default=None, help="default: full on GPU, smoke on CPU"
+        "--profile",
+        choices=["smoke", "short", "full"],
+        default=None,
+        help="default: full on GPU, smoke on CPU",
     )
     group.addoption(
         "--trials", type=int, default=None, help="timed rounds per case (default: 3 on GPU, 1 on CPU)"

@@ -63,7 +63,7 @@ PROFILES = {
     "short": Profile(
         name="short",
         sweep=SweepConfig(start_rate=4.0, max_levels=7),
-        sweep_load=LoadConfig(duration_s=8.0, progress=False),
+        sweep_load=LoadConfig(duration_s=10.0, progress=False),
         concurrencies=(1, 128),
         closed_load=LoadConfig(duration_s=10.0, progress=False),
         warmup=LoadConfig(duration_s=8.0, progress=False),
@@ -144,6 +144,18 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("concurrency", perf.profile.concurrencies)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """All cases of one target, then all of the next (vLLM first with --target both): the session's
+    server is then started once per target, never twice."""
+    order = {target: i for i, target in enumerate(settings(config).targets)}
+
+    def key(item: pytest.Item) -> int:
+        callspec = getattr(item, "callspec", None)
+        return order.get(callspec.params.get("target"), -1) if callspec else -1
+
+    items.sort(key=key)
+
+
 @pytest.fixture(scope="session")
 def perf(pytestconfig: pytest.Config) -> PerfSettings:
     return settings(pytestconfig)
@@ -206,7 +218,8 @@ class Recorder:
         engine result for this GPU and model. None when there is none (or when vLLM is the target)."""
         if target == "vllm":
             return None
-        if "vllm" in self.records and self.records["vllm"].sweep_trials:
+        vllm = self.records.get("vllm")
+        if vllm is not None and (vllm.sweep_trials or vllm.closed_trials):
             return Reference(
                 self.records["vllm"].summary(self.perf.trials), "vLLM measured in this session", True
             )
@@ -319,6 +332,10 @@ def server(target: str, perf: PerfSettings, recorder: Recorder):
         endpoint = Endpoint(base_url=base_url, model=first_model(base_url), target=target)
         described = probe(endpoint)
         body = (described.get("server") or {}).get("body") or {}  # type: ignore[union-attr]
+        if target in recorder.records:
+            raise RuntimeError(
+                f"the {target} server was started twice in one session: its cases were not grouped"
+            )
         recorder.records[target] = TargetRecord(
             target,
             header={
