@@ -52,7 +52,7 @@ class Profile:
 PROFILES = {
     "full": Profile(
         name="full",
-        sweep=SweepConfig(start_rate=2.0, max_levels=9),
+        sweep=SweepConfig(start_rate=1.0, max_levels=10),
         sweep_load=LoadConfig(duration_s=20.0, progress=False),
         concurrencies=(1, 8, 32, 128, 256),
         closed_load=LoadConfig(duration_s=20.0, progress=False),
@@ -62,7 +62,7 @@ PROFILES = {
     # Capacity and the closed loop at 1 and 128 of both targets in one 10-minute command (--target both).
     "short": Profile(
         name="short",
-        sweep=SweepConfig(start_rate=4.0, max_levels=7),
+        sweep=SweepConfig(start_rate=1.0, max_levels=8),
         sweep_load=LoadConfig(duration_s=10.0, progress=False),
         concurrencies=(1, 128),
         closed_load=LoadConfig(duration_s=10.0, progress=False),
