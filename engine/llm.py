@@ -6,6 +6,7 @@ engine until all requests finish and returns their outputs in input order.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence as SequenceABC
 
 from engine.config import EngineArgs
@@ -24,6 +25,7 @@ class LLM:
             )
         self.engine = LLMEngine(EngineArgs(model=str(model), **options))
         self.tokenizer = self.engine.tokenizer
+        self._batches = itertools.count()  # request ids unique across generate calls
 
     def generate(
         self,
@@ -42,7 +44,7 @@ class LLM:
             raise ValueError(f"{len(params_list)} sampling params for {len(prompt_list)} prompts")
         for prompt, params in zip(prompt_list, params_list, strict=True):
             self.engine.validate(prompt, params)
-        base = f"offline-{id(prompt_list)}-"
+        base = f"offline-{next(self._batches)}-"
         for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True)):
             self.engine.add_request(f"{base}{i}", prompt, params)
         results: dict[str, RequestOutput] = {}
