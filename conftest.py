@@ -93,4 +93,11 @@ def pytest_benchmark_update_machine_info(config: pytest.Config, machine_info: di
     """pytest-benchmark records no GPU, driver or library versions: add them."""
     from bench.machine import describe_machine
 
-    machine_info["perf"] = describe_machine()
+    machine_info["perf"] = describe_machine(engine_version())
+
+
+def engine_version() -> str:
+    """This checkout's engine version, whether or not it is pip-installed."""
+    import engine
+
+    return engine.__version__

@@ -57,7 +57,8 @@ def gpu_slug(gpu_name: str | None) -> str:
     return re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-")
 
 
-def describe_machine() -> dict[str, Any]:
+def describe_machine(engine_version: str | None = None) -> dict[str, Any]:
+    """engine_version: the caller's, when the engine is not an installed package (bench never imports it)."""
     gpu = _nvidia_smi("name")
     return {
         "gpu": gpu,
@@ -69,7 +70,7 @@ def describe_machine() -> dict[str, Any]:
         "hostname": socket.gethostname(),
         "python": platform.python_version(),
         "torch": _version("torch"),
-        "engine": _version("paged-engine"),
+        "engine": engine_version or _version("paged-engine"),
         "vllm": _version("vllm"),
     }
 

@@ -92,6 +92,7 @@ class PerfSettings:
     baseline: str | None
     save_baseline: bool
     out: Path
+    workload: WorkloadSpec = SEED_MIX
 
     @property
     def gpu(self) -> bool:
@@ -113,7 +114,9 @@ def settings(config: pytest.Config) -> PerfSettings:
     cached = getattr(config, "_perf_settings", None)
     if cached is not None:
         return cached
-    machine = describe_machine()
+    import engine
+
+    machine = describe_machine(engine.__version__)
     gpu = machine["gpu"] is not None
     target = config.getoption("--target")
     server_url = config.getoption("--server-url")

@@ -12,7 +12,6 @@ import pytest
 from bench.budgets import check_closed, check_sweep
 from bench.runner import run_closed_loop, run_sweep
 from bench.trials import CLOSED_LOOP_KEYS, OPEN_LOOP_KEYS, spread
-from conftest import SEED_MIX  # tests/perf/conftest.py
 
 pytestmark = pytest.mark.perf
 
@@ -21,7 +20,7 @@ def test_open_loop_sweep(benchmark, server, target, perf, recorder):
     trials = []
 
     def trial() -> None:
-        result = run_sweep(server.endpoint, SEED_MIX, perf.profile.sweep_load, perf.profile.sweep)
+        result = run_sweep(server.endpoint, perf.workload, perf.profile.sweep_load, perf.profile.sweep)
         levels = [
             {"rate": level.summary["rate"], **{k: level.summary[k] for k in OPEN_LOOP_KEYS}}
             for level in result.levels
@@ -61,7 +60,7 @@ def test_closed_loop(benchmark, server, target, concurrency, perf, recorder):
     trials = []
 
     def trial() -> None:
-        result = run_closed_loop(server.endpoint, SEED_MIX, concurrency, perf.profile.closed_load)
+        result = run_closed_loop(server.endpoint, perf.workload, concurrency, perf.profile.closed_load)
         trials.append({"concurrency": concurrency, **{k: result.summary[k] for k in CLOSED_LOOP_KEYS}})
 
     benchmark.pedantic(trial, rounds=perf.trials, iterations=1)
