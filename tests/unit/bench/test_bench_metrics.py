@@ -16,6 +16,7 @@ from bench.metrics import (
     summarize,
 )
 from bench.results import read_rows, write_rows
+from bench.runner import keep_up_rate
 
 
 def make_row(
@@ -129,3 +130,24 @@ class TestDirection:
     @pytest.mark.parametrize("key", ["rate", "concurrency", "ttft_p50_s_min", "served_req_s_max", "mode"])
     def test_not_compared(self, key):
         assert metric_direction(key) is None
+
+
+class TestKeepUpRate:
+    def test_an_idle_server_meets_its_own_bar(self):
+        # 10 arrivals 1 s apart, each served in 2 s: served_req_s = 10 / 11 s, under the nominal 1/s.
+        rows = [make_row(i, scheduled=float(i), first=i + 0.1, done=i + 2.0) for i in range(10)]
+        served = summarize(rows)["served_req_s"]
+        assert served == pytest.approx(10 / 11)
+        assert keep_up_rate(rows, 2.0) == pytest.approx(10 / 11)
+        assert served >= 0.9 * keep_up_rate(rows, 2.0)
+
+    def test_a_saturated_server_falls_below_it(self):
+        # The same arrivals, served one after another every 2 s: completions fall behind.
+        rows = [make_row(i, scheduled=float(i), first=2.0 * i + 1.9, done=2.0 * (i + 1)) for i in range(10)]
+        e2e_p50 = summarize(rows)["e2e_p50_s"]
+        assert summarize(rows)["served_req_s"] < 0.9 * keep_up_rate(rows, e2e_p50)
+
+    def test_warmup_rows_and_degenerate_levels(self):
+        rows = [make_row(0, warmup=True), make_row(1, scheduled=1.0, done=2.0)]
+        assert math.isnan(keep_up_rate(rows, 1.0))
+        assert math.isnan(keep_up_rate([make_row(0), make_row(1, scheduled=1.0)], math.nan))
