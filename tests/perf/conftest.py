@@ -234,11 +234,11 @@ class Recorder:
         for path in candidates:
             if path.is_file():
                 summary = json.loads(path.read_text())
-                return Reference(
-                    summary,
-                    str(path.relative_to(REPO) if path.is_relative_to(REPO) else path),
-                    same_machine(summary.get("machine"), self.perf.machine),
-                )
+                shown = path.relative_to(REPO) if path.is_relative_to(REPO) else path
+                # Lent machines can share GPU, CPU model, core count and host name: a stored file is
+                # always named with its date and profile, so a reader can tell it from a same-run ratio.
+                source = f"stored {shown} ({summary.get('profile')} profile, {summary.get('trials')} trial(s), {summary.get('date')})"
+                return Reference(summary, source, same_machine(summary.get("machine"), self.perf.machine))
         return None
 
     def check(self, target: str, checks_for) -> None:
