@@ -101,22 +101,14 @@ def run_open_loop(
     clock_zero: float | None = None,
 ) -> LevelResult:
     """Send requests at their scheduled arrival times whether or not the server keeps up."""
-    if load.duration_s is not None:
-        offsets = arrival_offsets(
-            rate,
-            duration_s=load.duration_s,
-            arrival=load.arrival,
-            burstiness=load.burstiness,
-            seed=workload.seed,
-        )
-    else:
-        offsets = arrival_offsets(
-            rate,
-            n=load.warmup + load.n_requests,
-            arrival=load.arrival,
-            burstiness=load.burstiness,
-            seed=workload.seed,
-        )
+    offsets = arrival_offsets(
+        rate,
+        n=None if load.duration_s is not None else load.warmup + load.n_requests,
+        duration_s=load.duration_s,
+        arrival=load.arrival,
+        burstiness=load.burstiness,
+        seed=workload.seed,
+    )
     workers = max(1, min(load.workers, len(offsets)))
     shares = [_Share(k, k, workers, len(offsets), offsets[k::workers], 0) for k in range(workers)]
     return _run_level(endpoint, workload, _Level("open", rate=rate), load, shares, None, clock_zero)
