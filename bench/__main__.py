@@ -1,16 +1,19 @@
-"""Command line: `python -m bench run|report|compare`.
+"""Command line: `python -m bench run|report|compare|merge`.
 
 `run` turns flags into a bench.suite.RunConfig and calls run_benchmark; `report` calls
-bench.report.write_report; `compare` calls bench.compare.compare_results and exits 1 on a regression.
+bench.report.write_report; `compare` calls bench.compare.compare_results and exits 1 on a regression;
+`merge` folds single-trial perf summaries run separately (bench.trials.merge_summaries).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlparse
 
@@ -21,8 +24,10 @@ from bench.compare import DEFAULT_MAX_DROP, compare_results, parse_max_drop
 from bench.metrics import parse_slo
 from bench.probe import first_model
 from bench.report import write_report
+from bench.results import json_safe
 from bench.runner import LoadConfig, SweepConfig
 from bench.suite import RunConfig, run_benchmark
+from bench.trials import merge_summaries
 from bench.workload import WorkloadSpec
 
 T = TypeVar("T")
@@ -124,7 +129,22 @@ def build_parser() -> argparse.ArgumentParser:
         default="text",
         help="text: an aligned table; markdown: a GitHub-flavoured table (e.g. for $GITHUB_STEP_SUMMARY)",
     )
+    merge = commands.add_parser("merge", help="fold single-trial perf summaries of one target into one")
+    merge.add_argument("summaries", nargs="+", help="summary JSON files, one trial each")
+    merge.add_argument("--out", required=True)
     return parser
+
+
+def command_merge(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        merged = merge_summaries([json.loads(Path(path).read_text()) for path in args.summaries])
+    except (OSError, ValueError) as exc:
+        parser.error(str(exc))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(json_safe(merged), indent=2) + "\n")
+    print(f"wrote {out}: {merged['trials']} trials, capacity {merged['capacity_req_s']} req/s")
+    return 0
 
 
 def _default_target(base_url: str, root_url: str) -> str:
@@ -182,6 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "run":
         return command_run(args, parser)
+    if args.command == "merge":
+        return command_merge(args, parser)
     if args.command == "report":
         print(f"wrote {write_report(args.results, args.out)}")
         return 0

@@ -71,3 +71,42 @@ def summarize_trials(
     summary["open_loop"] = fold_levels([t["levels"] for t in sweep_trials], "rate", OPEN_LOOP_KEYS)
     summary["closed_loop"] = fold_levels(closed_trials, "concurrency", CLOSED_LOOP_KEYS)
     return summary
+
+
+def merge_summaries(summaries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Fold single-trial summaries of one target, measured in separate runs, into one summary.
+
+    A full-profile trial can take most of a time-limited command, so trials may be run one per
+    command and merged afterwards: each input's figures are one trial's values. Inputs must agree on
+    target, model, GPU and workload, and each must hold exactly one trial.
+    """
+    if not summaries:
+        raise ValueError("nothing to merge")
+    first = summaries[0]
+    for summary in summaries:
+        if summary.get("trials") != 1:
+            raise ValueError(
+                f"only single-trial summaries can be merged; one holds {summary.get('trials')} trials"
+            )
+        for key in ("target", "model", "gpu", "workload"):
+            if summary.get(key) != first.get(key):
+                raise ValueError(f"summaries differ in {key}: {first.get(key)!r} vs {summary.get(key)!r}")
+    sweep_trials = [
+        {
+            "capacity_req_s": s["capacity_req_s"],
+            "capacity_still_rising": s["capacity_still_rising"],
+            "levels": s["open_loop"],
+        }
+        for s in summaries
+        if s.get("capacity_req_s") is not None
+    ]
+    header = {
+        k: v
+        for k, v in first.items()
+        if k not in ("open_loop", "closed_loop", "trials") and not k.startswith("capacity_")
+    }
+    header["merged_from"] = [s.get("date") for s in summaries]
+    closed = [list(s.get("closed_loop") or []) for s in summaries]
+    return summarize_trials(
+        header=header, sweep_trials=sweep_trials, closed_trials=closed, trials=len(summaries)
+    )

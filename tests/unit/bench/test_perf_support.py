@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from pathlib import Path
 
 import pytest
 
+from bench.__main__ import main as bench_main
 from bench.budgets import BudgetCheck, check_closed, check_sweep, load_budgets
 from bench.launch import ServerProcess, ServerSpec, engine_args, free_port, vllm_args
 from bench.machine import gpu_slug, same_machine
-from bench.trials import summarize_trials
+from bench.results import load_result
+from bench.trials import merge_summaries, summarize_trials
 
 BUDGETS_FILE = Path(__file__).resolve().parents[2] / "perf" / "budgets.toml"
 
@@ -151,3 +154,52 @@ def test_server_process_reports_an_early_exit(tmp_path, monkeypatch):
     )
     with pytest.raises(RuntimeError, match="bad flag"):
         ServerProcess(ServerSpec("engine", "m", free_port()), tmp_path / "log").start(timeout_s=30)
+
+
+def _one_trial(capacity: float, tok_s: float, date: str) -> dict:
+    return summarize_trials(
+        header={"target": "vllm", "model": "m", "gpu": "NVIDIA H200", "workload": "seed-mix", "date": date},
+        sweep_trials=[
+            {
+                "capacity_req_s": capacity,
+                "capacity_still_rising": False,
+                "levels": [{"rate": 4.0, "served_req_s": 3.9, "failures": 0}],
+            }
+        ],
+        closed_trials=[[{"concurrency": 1, "output_tok_s": tok_s, "failures": 0}]],
+        trials=1,
+    )
+
+
+def test_single_trial_summaries_merge_into_median_min_max(tmp_path):
+    parts = [_one_trial(50.0, 450.0, "d1"), _one_trial(52.0, 460.0, "d2"), _one_trial(49.0, 455.0, "d3")]
+    merged = merge_summaries(parts)
+    assert merged["trials"] == 3 and merged["merged_from"] == ["d1", "d2", "d3"]
+    assert (merged["capacity_req_s"], merged["capacity_req_s_min"], merged["capacity_req_s_max"]) == (
+        50.0,
+        49.0,
+        52.0,
+    )
+    level = merged["closed_loop"][0]
+    assert (level["output_tok_s"], level["output_tok_s_min"], level["output_tok_s_max"]) == (
+        455.0,
+        450.0,
+        460.0,
+    )
+    assert merged["open_loop"][0]["trials"] == 3
+    # Through the CLI, into a file that compare and report read.
+    paths = []
+    for i, part in enumerate(parts):
+        paths.append(tmp_path / f"t{i}.json")
+        paths[-1].write_text(json.dumps(part))
+    out = tmp_path / "merged.json"
+    assert bench_main(["merge", *map(str, paths), "--out", str(out)]) == 0
+    assert load_result(out).capacity_req_s == 50.0
+
+
+def test_merge_refuses_mixed_or_multi_trial_inputs():
+    with pytest.raises(ValueError, match="single-trial"):
+        merge_summaries([dict(_one_trial(1.0, 1.0, "d"), trials=3)])
+    other = dict(_one_trial(1.0, 1.0, "d"), target="engine")
+    with pytest.raises(ValueError, match="target"):
+        merge_summaries([_one_trial(1.0, 1.0, "d"), other])
