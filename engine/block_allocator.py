@@ -45,9 +45,6 @@ class BlockAllocator:
     def extra_blocks_needed(self, seq_id: Hashable, num_tokens: int) -> int:
         return max(0, self.blocks_for(num_tokens) - len(self.block_table(seq_id)))
 
-    def can_grow(self, seq_id: Hashable, num_tokens: int) -> bool:
-        return self.extra_blocks_needed(seq_id, num_tokens) <= len(self._free)
-
     # -- changes -------------------------------------------------------------------------------
     def grow(self, seq_id: Hashable, num_tokens: int) -> bool:
         """Make seq_id's table cover num_tokens tokens. False (and no change) if blocks are short."""

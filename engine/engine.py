@@ -52,10 +52,6 @@ class RequestOutput:
         """All tokens generated so far."""
         return self._output_ref[: self._num_output_tokens]
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
 
 @dataclass(frozen=True)
 class EngineStats:

@@ -64,7 +64,6 @@ class ModelRunner:
         model.load_weights(iter_weights(model_dir))
         model.rotary.init_cache()
         self.model = model.eval()
-        self.num_blocks = 0
 
     # -- KV cache ----------------------------------------------------------------------------
     @property
@@ -76,7 +75,6 @@ class ModelRunner:
         self.model.bind_kv_caches(
             [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.config.num_layers)]
         )
-        self.num_blocks = num_blocks
 
     def measure_num_blocks(
         self, gpu_memory_utilization: float, max_num_batched_tokens: int, max_num_seqs: int
@@ -164,8 +162,6 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=tensor(slots),
             block_tables=block_table_tensor,
-            seq_lens=tensor(seq_lens),
-            query_start_loc=tensor(query_start),
             seq_lens_cpu=seq_lens,
             query_start_loc_cpu=query_start,
             query_lens_cpu=list(query_lens),

@@ -86,9 +86,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def get(self, request_id: str) -> Sequence | None:
-        return self._by_request.get(request_id)
-
     # -- scheduling ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

@@ -56,7 +56,3 @@ class Sequence:
         if start >= prompt_len:
             return self.output_token_ids[start - prompt_len : end - prompt_len]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt_len]
-
-    @property
-    def last_token_id(self) -> int:
-        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]

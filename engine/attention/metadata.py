@@ -20,14 +20,13 @@ class AttentionMetadata:
     """Where this step's tokens sit in the batch and in the paged cache.
 
     Tokens of all sequences are flattened into one dimension (num_tokens). Sequence i owns the tokens
-    query_start_loc[i]:query_start_loc[i+1], and after this step its context holds seq_lens[i] tokens.
+    query_start_loc_cpu[i]:query_start_loc_cpu[i+1], and after this step its context holds seq_lens_cpu[i]
+    tokens.
     """
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: block * block_size + offset for each new token
     block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int64, padded with 0
-    seq_lens: torch.Tensor  # [num_seqs] int64, context length after this step
-    query_start_loc: torch.Tensor  # [num_seqs + 1] int64
-    seq_lens_cpu: list[int]
+    seq_lens_cpu: list[int]  # context length after this step
     query_start_loc_cpu: list[int]
     query_lens_cpu: list[int]
     num_decodes: int  # sequences 0..num_decodes-1 have exactly one query token each

@@ -11,7 +11,7 @@ import pytest
 
 from bench.budgets import check_closed, check_sweep
 from bench.runner import run_closed_loop, run_sweep
-from bench.trials import CLOSED_LOOP_KEYS, OPEN_LOOP_KEYS, spread
+from bench.trials import CLOSED_LOOP_KEYS, OPEN_LOOP_KEYS, fold_levels
 
 pytestmark = pytest.mark.perf
 
@@ -36,18 +36,16 @@ def test_open_loop_sweep(benchmark, server, target, perf, recorder):
     benchmark.pedantic(trial, rounds=perf.trials, iterations=1)
     record = recorder.records[target]
     record.sweep_trials = trials
-    capacity = spread([t["capacity_req_s"] for t in trials], "capacity_req_s")
+    summary = record.summary(perf.trials)
     benchmark.extra_info.update(
+        {key: value for key, value in summary.items() if key.startswith("capacity_")},
         target=target,
         case="sweep",
-        capacity_still_rising=any(t["capacity_still_rising"] for t in trials),
-        **capacity,
+        open_loop=summary["open_loop"],
     )
-    benchmark.extra_info["open_loop"] = record.summary(perf.trials)["open_loop"]
     assert all(level["failures"] == 0 for t in trials for level in t["levels"]), (
         "requests failed during the sweep"
     )
-    summary = record.summary(perf.trials)
     recorder.check(
         target,
         lambda reference, budgets: check_sweep(
@@ -65,10 +63,8 @@ def test_closed_loop(benchmark, server, target, concurrency, perf, recorder):
 
     benchmark.pedantic(trial, rounds=perf.trials, iterations=1)
     recorder.records[target].closed_trials[concurrency] = trials
-    folded = {}
-    for key in CLOSED_LOOP_KEYS:
-        folded.update(spread([t[key] for t in trials], key))
-    benchmark.extra_info.update(target=target, case="closed_loop", concurrency=concurrency, **folded)
+    folded = fold_levels([[t] for t in trials], "concurrency", CLOSED_LOOP_KEYS)[0]
+    benchmark.extra_info.update(folded, target=target, case="closed_loop")
     assert folded["failures_max"] == 0, (
         f"{folded['failures_max']:g} requests failed at concurrency {concurrency}"
     )
