@@ -73,6 +73,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="measure a server that is already running (…/v1) instead of starting one",
     )
     group.addoption(
+        "--server-info",
+        action="append",
+        default=[],
+        help="measure a server started by `python -m bench serve` (its description JSON; once per "
+        "target), recording the flags it was started with",
+    )
+    group.addoption(
         "--baseline",
         default=None,
         help="reference summary JSON (default: baselines/<gpu>/<model>/vllm-seed-mix.json, else engine-seed-mix.json)",

@@ -1,8 +1,9 @@
-"""Command line: `python -m bench run|report|compare|merge`.
+"""Command line: `python -m bench run|report|compare|merge|serve`.
 
 `run` turns flags into a bench.suite.RunConfig and calls run_benchmark; `report` calls
 bench.report.write_report; `compare` calls bench.compare.compare_results and exits 1 on a regression;
-`merge` folds single-trial perf summaries run separately (bench.trials.merge_summaries).
+`merge` folds single-trial perf summaries run separately (bench.trials.merge_summaries); `serve`
+starts a target's server as the perf tier would and leaves it running (bench.launch).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import httpx
 
 from bench.client import Endpoint
 from bench.compare import DEFAULT_MAX_DROP, compare_results, parse_max_drop
+from bench.launch import MAX_MODEL_LEN, ServerProcess, ServerSpec, free_port, target_args
 from bench.metrics import parse_slo
 from bench.probe import first_model
 from bench.report import write_report
@@ -132,7 +134,49 @@ def build_parser() -> argparse.ArgumentParser:
     merge = commands.add_parser("merge", help="fold single-trial perf summaries of one target into one")
     merge.add_argument("summaries", nargs="+", help="summary JSON files, one trial each")
     merge.add_argument("--out", required=True)
+
+    serve = commands.add_parser(
+        "serve",
+        help="start a target's server as the perf tier defines it, wait for /health, leave it running",
+        description="Starts the server in its own process session, so it outlives this command, and "
+        "writes a description (URL, flags, pid, start-up time) for `pytest -m perf --server-info`. "
+        "Stop it with `kill -TERM -- -PID`. vLLM is started through $PERF_VLLM_ENV when that is set.",
+    )
+    serve.add_argument("--target", choices=["engine", "vllm"], required=True)
+    serve.add_argument("--model", required=True, help="model folder")
+    serve.add_argument("--port", type=int, default=None, help="default: a free port")
+    serve.add_argument("--dtype", default="bfloat16", help="float32 for the engine on CPU")
+    serve.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for /health")
+    serve.add_argument("--log", help="server log (default perf-out/TARGET-server.log)")
+    serve.add_argument("--info", help="description JSON to write (default perf-out/TARGET-server.json)")
     return parser
+
+
+def command_serve(args: argparse.Namespace) -> int:
+    spec = ServerSpec(
+        args.target,
+        str(Path(args.model).resolve()),
+        args.port or free_port(),
+        target_args(args.target, args.dtype, args.max_model_len, args.seed),
+        env_file=os.environ.get("PERF_VLLM_ENV") if args.target == "vllm" else None,
+    )
+    process = ServerProcess(spec, args.log or f"perf-out/{args.target}-server.log")
+    try:
+        process.start(timeout_s=args.timeout)  # stops the server itself if it never becomes healthy
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    info = process.describe()
+    info_path = Path(args.info or f"perf-out/{args.target}-server.json")
+    info_path.parent.mkdir(parents=True, exist_ok=True)
+    info_path.write_text(json.dumps(info, indent=2) + "\n")
+    print(
+        f"{args.target} ready at {spec.base_url} after {process.ready_after_s:.1f} s; pid {info['pid']}; "
+        f"described in {info_path}; stop with: kill -TERM -- -{info['pid']}"
+    )
+    return 0
 
 
 def command_merge(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -204,6 +248,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return command_run(args, parser)
     if args.command == "merge":
         return command_merge(args, parser)
+    if args.command == "serve":
+        return command_serve(args)
     if args.command == "report":
         print(f"wrote {write_report(args.results, args.out)}")
         return 0

@@ -8,6 +8,8 @@ whatever else the staged site needs).
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
 import signal
 import socket
@@ -20,6 +22,8 @@ from pathlib import Path
 import httpx
 
 VLLM_ENV_VARIABLE = "PERF_VLLM_ENV"
+# The context both targets are started with: seed-mix prompts reach 4,096 tokens, plus up to 256 generated.
+MAX_MODEL_LEN = 4352
 
 
 def free_port() -> int:
@@ -79,6 +83,15 @@ def vllm_args(dtype: str, max_model_len: int, seed: int = 0) -> list[str]:
     ]
 
 
+def target_args(target: str, dtype: str, max_model_len: int = MAX_MODEL_LEN, seed: int = 0) -> list[str]:
+    """The flags the perf tier starts `target` with (see engine_args and vllm_args)."""
+    if target == "engine":
+        return engine_args(dtype, max_model_len, seed)
+    if target == "vllm":
+        return vllm_args(dtype, max_model_len, seed)
+    raise ValueError(f"unknown target {target!r} (engine or vllm)")
+
+
 def vllm_unavailable_reason() -> str | None:
     """None when vLLM can be started here, else why not."""
     env_file = os.environ.get(VLLM_ENV_VARIABLE)
@@ -106,6 +119,8 @@ class ServerProcess:
         self.ready_after_s: float | None = None
 
     def start(self, timeout_s: float) -> ServerProcess:
+        """Start in a new process session (so stop() can end the whole group, and a server started
+        by `bench serve` outlives the command that started it) and wait for /health."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("wb")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -156,8 +171,35 @@ class ServerProcess:
         except OSError:
             return ""
 
+    def describe(self) -> dict[str, object]:
+        """What a measurement against this server must record about it (written by `bench serve`)."""
+        return {
+            "target": self.spec.target,
+            "model_dir": self.spec.model_dir,
+            "base_url": self.spec.base_url,
+            "args": self.spec.args,
+            "pid": self.process.pid if self.process else None,
+            "ready_after_s": self.ready_after_s,
+            "log": str(self.log_path),
+            "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        }
+
     def __enter__(self) -> ServerProcess:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def load_server_info(path: str | Path) -> dict[str, object]:
+    """A description written by `bench serve`; raises ValueError saying what is wrong with it."""
+    try:
+        info = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read the server description {path}: {exc}") from exc
+    missing = [key for key in ("target", "base_url", "args") if key not in info]
+    if not isinstance(info, dict) or missing:
+        raise ValueError(
+            f"{path} is not a description written by `python -m bench serve` (missing {missing})"
+        )
+    return info

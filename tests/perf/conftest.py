@@ -2,7 +2,8 @@
 
 `pytest -m perf` measures each target (`--target engine|vllm|both`; both = vLLM first, then the
 engine, on the same machine) with bench's seed-mix workload. A session fixture starts the target's
-server once (or uses `--server-url`), warms it up, and always stops it. The recorder keeps every
+server once (or uses one already running: `--server-url`, or `--server-info` from `python -m bench
+serve`), warms it up, and always stops it. The recorder keeps every
 trial's figures, checks budgets (tests/perf/budgets.toml) against the reference, and at the end writes
 one summary JSON per target (and, with --save-baseline, stores it under baselines/<gpu>/<model>/).
 """
@@ -21,7 +22,15 @@ import pytest
 
 from bench.budgets import BudgetCheck, load_budgets
 from bench.client import Endpoint
-from bench.launch import ServerProcess, ServerSpec, engine_args, free_port, vllm_args, vllm_unavailable_reason
+from bench.launch import (
+    MAX_MODEL_LEN,
+    ServerProcess,
+    ServerSpec,
+    free_port,
+    load_server_info,
+    target_args,
+    vllm_unavailable_reason,
+)
 from bench.machine import describe_machine, same_machine
 from bench.probe import first_model, probe
 from bench.report import write_report
@@ -31,14 +40,15 @@ from bench.workload import WorkloadSpec
 
 REPO = Path(__file__).resolve().parents[2]
 BUDGETS_FILE = Path(__file__).with_name("budgets.toml")
-MAX_MODEL_LEN = 4352  # seed-mix prompts reach 4,096 tokens, plus up to 256 generated
 SEED_MIX = WorkloadSpec(kind="seed-mix", seed=0)
 
 
 @dataclass(frozen=True)
 class Profile:
-    """How much load each case sends. `full` fits a 10-minute command per target and trial (levels by
-    duration); `smoke` exercises the whole pipeline on CPU in a few minutes."""
+    """How much load each case sends. `full`: one trial of either target on qwen2.5-1.5b fits a
+    10-minute command with the server's start (levels by duration: 15 s holds ~750 requests at vLLM's
+    H200 capacity, ~30 at the engine's); `short`: capacity and two closed-loop levels of both targets
+    in one command; `smoke` exercises the whole pipeline on CPU in a few minutes."""
 
     name: str
     sweep: SweepConfig
@@ -53,10 +63,10 @@ PROFILES = {
     "full": Profile(
         name="full",
         sweep=SweepConfig(start_rate=1.0, max_levels=10),
-        sweep_load=LoadConfig(duration_s=20.0, progress=False),
+        sweep_load=LoadConfig(duration_s=15.0, progress=False),
         concurrencies=(1, 8, 32, 128, 256),
-        closed_load=LoadConfig(duration_s=20.0, progress=False),
-        warmup=LoadConfig(duration_s=20.0, progress=False),
+        closed_load=LoadConfig(duration_s=15.0, progress=False),
+        warmup=LoadConfig(duration_s=15.0, progress=False),
         warmup_concurrency=64,
     ),
     # Capacity and the closed loop at 1 and 128 of both targets in one 10-minute command (--target both).
@@ -89,6 +99,7 @@ class PerfSettings:
     trials: int
     targets: list[str]
     server_url: str | None
+    server_infos: dict[str, dict[str, Any]]  # target -> description written by `bench serve`
     baseline: str | None
     save_baseline: bool
     out: Path
@@ -124,13 +135,28 @@ def settings(config: pytest.Config) -> PerfSettings:
         raise pytest.UsageError(
             "--server-url measures one running server: use --target engine or vllm with it"
         )
+    server_infos: dict[str, dict[str, Any]] = {}
+    for path in config.getoption("--server-info"):
+        try:
+            info = load_server_info(path)
+        except ValueError as exc:
+            raise pytest.UsageError(str(exc)) from exc
+        if info["target"] in server_infos:
+            raise pytest.UsageError(f"--server-info: two descriptions of a {info['target']} server")
+        server_infos[str(info["target"])] = info
+    targets = ["vllm", "engine"] if target == "both" else [target]
+    if unmeasured := sorted(set(server_infos) - set(targets)):
+        raise pytest.UsageError(f"--server-info describes {unmeasured}, not measured with --target {target}")
+    if server_url and server_infos:
+        raise pytest.UsageError("--server-url and --server-info both name the server: give one")
     result = PerfSettings(
         machine=machine,
         model=config.getoption("--model") or ("qwen2.5-1.5b" if gpu else "tiny"),
         profile=PROFILES[config.getoption("--profile") or ("full" if gpu else "smoke")],
         trials=config.getoption("--trials") or (3 if gpu else 1),
-        targets=["vllm", "engine"] if target == "both" else [target],
+        targets=targets,
         server_url=server_url,
+        server_infos=server_infos,
         baseline=config.getoption("--baseline"),
         save_baseline=config.getoption("--save-baseline"),
         out=Path(config.getoption("--perf-out")),
@@ -314,24 +340,24 @@ class ServerUnderTest:
 def server(target: str, perf: PerfSettings, recorder: Recorder):
     """Start the target's server (or use --server-url), describe it, warm it up; always stop it."""
     process = None
+    ready_after_s = None
     try:
-        if perf.server_url:
+        if info := perf.server_infos.get(target):
+            base_url, server_args = str(info["base_url"]).rstrip("/"), list(info["args"])
+            ready_after_s = info.get("ready_after_s")
+        elif perf.server_url:
             base_url, server_args = perf.server_url.rstrip("/"), []
         else:
             if target == "vllm" and (reason := vllm_unavailable_reason()):
                 pytest.skip(reason)
             folder = model_dir(perf)
-            server_args = (
-                vllm_args(perf.dtype, MAX_MODEL_LEN)
-                if target == "vllm"
-                else engine_args(perf.dtype, MAX_MODEL_LEN)
-            )
+            server_args = target_args(target, perf.dtype, MAX_MODEL_LEN)
             spec = ServerSpec(
                 target, folder, free_port(), server_args, env_file=os.environ.get("PERF_VLLM_ENV")
             )
             process = ServerProcess(spec, perf.out / f"{target}-server.log")
             process.start(timeout_s=300.0 if target == "vllm" else 180.0)
-            base_url = spec.base_url
+            base_url, ready_after_s = spec.base_url, process.ready_after_s
         endpoint = Endpoint(base_url=base_url, model=first_model(base_url), target=target)
         described = probe(endpoint)
         body = (described.get("server") or {}).get("body") or {}  # type: ignore[union-attr]
@@ -355,7 +381,7 @@ def server(target: str, perf: PerfSettings, recorder: Recorder):
                 "machine": perf.machine,
                 "server_args": server_args,
                 "server": described.get("server"),
-                "server_ready_s": process.ready_after_s if process else None,
+                "server_ready_s": ready_after_s,
             },
         )
         # Warm-up, kept out of every figure: a first trial on a cold server ran 7% high on the H200.

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# One trial of the perf tier for each target, the two side by side on their own GPUs of one host,
+# against servers started once (`python -m bench serve`) and left running between invocations.
+#
+# Why: a stored baseline wants several trials, vLLM takes ~2 minutes to start, and one full-profile
+# trial of one target takes ~5 minutes; where commands are time-limited, each invocation runs one trial
+# of both targets and the trials are folded afterwards:
+#   scripts/perf_trials.sh t1; scripts/perf_trials.sh t2; scripts/perf_trials.sh t3
+#   python -m bench merge perf-out/t*/vllm/vllm-seed-mix.json --out baselines/<gpu>/<model>/vllm-seed-mix.json
+# The two targets share the host's CPUs while they run; the trials' spread shows what that costs.
+#
+# usage: scripts/perf_trials.sh NAME [MODEL] [PROFILE]   (defaults: qwen2.5-1.5b, full)
+# env:   VLLM_GPU (0), ENGINE_GPU (1), TARGETS ("vllm engine"), PERF_TIMEOUT (seconds per trial, 540),
+#        PERF_DTYPE (bfloat16; float32 for the engine on CPU), PERF_VLLM_ENV (a staged vLLM's env file; see bench/launch.py)
+# Writes perf-out/NAME/TARGET/ (summary JSON, benchmark JSON, report) and perf-out/NAME/TARGET.log.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+name=${1:?usage: scripts/perf_trials.sh NAME [MODEL] [PROFILE]}
+model=${2:-qwen2.5-1.5b}
+profile=${3:-full}
+root=perf-out
+folder=$root/models/$model
+mkdir -p "$root/$name"
+
+if [ ! -f "$folder/config.json" ]; then
+  if [ -d "$model" ]; then folder=$model; else
+    python3 -m engine.synthetic --preset "$model" --out "$folder" --dtype bfloat16 || exit 2
+  fi
+fi
+
+serving() {  # the description exists and its server answers /health
+  python3 - "$1" <<'EOF'
+import sys
+import httpx
+from bench.launch import load_server_info
+try:
+    info = load_server_info(sys.argv[1])
+    ok = httpx.get(str(info["base_url"]).removesuffix("/v1") + "/health", timeout=5).status_code == 200
+except (ValueError, httpx.HTTPError):
+    ok = False
+sys.exit(0 if ok else 1)
+EOF
+}
+
+one_target() {  # TARGET GPU: start its server unless it is up, then one trial
+  local target=$1 gpu=$2 info=$root/$1-server.json
+  export CUDA_VISIBLE_DEVICES=$gpu
+  if ! serving "$info"; then
+    python3 -m bench serve --target "$target" --model "$folder" --dtype "${PERF_DTYPE:-bfloat16}" --info "$info" --log "$root/$target-server.log" || return 3
+  fi
+  mkdir -p "$root/$name/$target"
+  timeout "${PERF_TIMEOUT:-540}" python3 -m pytest -m perf tests/perf --target "$target" --server-info "$info" \
+    --model "$(basename "$model")" --profile "$profile" --trials 1 --perf-out "$root/$name/$target" \
+    --benchmark-json "$root/$name/$target/benchmark.json" -q -rs -p no:cacheprovider
+}
+
+pids=()
+for target in ${TARGETS:-vllm engine}; do
+  gpu=${VLLM_GPU:-0}
+  [ "$target" = engine ] && gpu=${ENGINE_GPU:-1}
+  one_target "$target" "$gpu" >"$root/$name/$target.log" 2>&1 &
+  pids+=($!)
+done
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+for target in ${TARGETS:-vllm engine}; do
+  echo "== $target (exit status in log: $root/$name/$target.log)"
+  sed -n '/perf: figures and budgets/,$p' "$root/$name/$target.log" | tail -n 20
+done
+exit $status

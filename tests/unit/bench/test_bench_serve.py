@@ -1,0 +1,179 @@
+"""`python -m bench serve` and the perf tier's `--server-info`: a server started once, measured by
+several separate perf runs (one trial each), with the flags it was started with recorded."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from bench.launch import MAX_MODEL_LEN, load_server_info, target_args
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _stop(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGTERM)
+
+
+@pytest.fixture
+def served_engine(tiny_model_dir, tmp_path):
+    info_path = tmp_path / "engine-server.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "serve",
+            "--target",
+            "engine",
+            "--model",
+            str(tiny_model_dir),
+            "--dtype",
+            "float32",
+            "--log",
+            str(tmp_path / "engine-server.log"),
+            "--info",
+            str(info_path),
+            "--timeout",
+            "120",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr
+    info = load_server_info(info_path)
+    yield info, info_path, done.stdout
+    _stop(int(info["pid"]))
+
+
+def test_serve_leaves_the_server_running_and_describes_it(served_engine):
+    info, _, stdout = served_engine
+    # The command has returned; the server it started still answers.
+    root = str(info["base_url"]).removesuffix("/v1")
+    assert httpx.get(f"{root}/health", timeout=10).status_code == 200
+    assert info["args"] == target_args("engine", "float32")
+    assert f"--max-model-len {MAX_MODEL_LEN}" in " ".join(info["args"])
+    config = httpx.get(f"{root}/version", timeout=10).json()["config"]
+    assert config["max_model_len"] == MAX_MODEL_LEN and config["dtype"] == "float32"
+    assert info["ready_after_s"] > 0 and f"kill -TERM -- -{info['pid']}" in stdout
+
+
+def test_perf_tier_measures_a_served_server_records_its_flags_and_leaves_it_up(served_engine, tmp_path):
+    info, info_path, _ = served_engine
+    out = tmp_path / "perf-out"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-m",
+            "perf",
+            "tests/perf",
+            "--target",
+            "engine",
+            "--server-info",
+            str(info_path),
+            "--model",
+            "tiny",
+            "--profile",
+            "smoke",
+            "--trials",
+            "1",
+            "--perf-out",
+            str(out),
+            "-k",
+            "test_closed_loop and 1",
+            "-q",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    summary = json.loads((out / "engine-seed-mix.json").read_text())
+    assert summary["server_args"] == info["args"]
+    assert summary["server_ready_s"] == pytest.approx(info["ready_after_s"])
+    assert [level["concurrency"] for level in summary["closed_loop"]] == [1]
+    root = str(info["base_url"]).removesuffix("/v1")
+    assert httpx.get(f"{root}/health", timeout=10).status_code == 200, (
+        "the perf tier stopped a server it did not start"
+    )
+
+
+def test_server_info_must_match_the_measured_target(tmp_path):
+    info_path = tmp_path / "vllm-server.json"
+    info_path.write_text(json.dumps({"target": "vllm", "base_url": "http://127.0.0.1:1/v1", "args": []}))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-m",
+            "perf",
+            "tests/perf",
+            "--target",
+            "engine",
+            "--server-info",
+            str(info_path),
+            "--perf-out",
+            str(tmp_path / "out"),
+            "-q",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
+    assert done.returncode != 0
+    assert "--server-info describes ['vllm'], not measured with --target engine" in done.stdout + done.stderr
+
+
+def test_server_info_refuses_a_file_not_written_by_serve(tmp_path):
+    path = tmp_path / "x.json"
+    path.write_text(json.dumps({"url": "http://x"}))
+    with pytest.raises(ValueError, match="missing"):
+        load_server_info(path)
+    with pytest.raises(ValueError, match="cannot read"):
+        load_server_info(tmp_path / "absent.json")
+
+
+def test_serve_reports_a_server_that_cannot_start(tmp_path):
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "serve",
+            "--target",
+            "engine",
+            "--model",
+            str(tmp_path / "no-model"),
+            "--dtype",
+            "float32",
+            "--log",
+            str(tmp_path / "log"),
+            "--info",
+            str(tmp_path / "info.json"),
+            "--timeout",
+            "60",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
+    assert done.returncode == 1
+    assert "error: engine server exited" in done.stderr
+    assert not (tmp_path / "info.json").exists()
