@@ -21,7 +21,7 @@ from typing import Any
 from tqdm import tqdm
 
 from bench.client import Endpoint, make_http_client, send_request
-from bench.metrics import RequestRow, Slo, summarize
+from bench.metrics import RequestRow, Slo, open_loop_rates, summarize
 from bench.selfcheck import ClientLoad, ClientMonitor
 from bench.workload import Arrival, Request, WorkloadSpec, arrival_offsets, make_request
 
@@ -134,22 +134,6 @@ def run_closed_loop(
     return _run_level(endpoint, workload, level, load, shares, load.duration_s, clock_zero)
 
 
-def keep_up_rate(rows: list[RequestRow], e2e_p50_s: float) -> float:
-    """The served rate a server that keeps up would show at this level: the requests actually
-    scheduled / (their arrival span + the level's median latency).
-
-    served_req_s counts from the first arrival to the last completion, so even an idle server
-    scores below the nominal rate on a short level (the last request's latency, and the Poisson
-    draw of how many arrivals fell in the window). The sweep compares served_req_s with this
-    instead, so a level is saturated only when completions fall behind arrivals.
-    """
-    measured = [row for row in rows if not row.warmup]
-    if len(measured) < 2 or not math.isfinite(e2e_p50_s):
-        return math.nan
-    span = max(row.scheduled_s for row in measured) - min(row.scheduled_s for row in measured)
-    return len(measured) / (span + e2e_p50_s)
-
-
 def run_sweep(
     endpoint: Endpoint,
     workload: WorkloadSpec,
@@ -158,10 +142,10 @@ def run_sweep(
     clock_zero: float | None = None,
 ) -> SweepResult:
     """Raise the open-loop rate until the server stops keeping up (see SweepConfig): a level kept up
-    when served_req_s >= saturation x keep_up_req_s (see keep_up_rate).
+    when steady_req_s >= saturation x arrival_req_s (see bench.metrics.open_loop_rates).
 
-    capacity_req_s = the highest served_req_s of any level; capacity_still_rising = the highest rate
-    tried was still served at >= saturation x offered, so capacity may be higher than measured.
+    capacity_req_s = the highest steady_req_s of any level; capacity_still_rising = the highest rate
+    tried still kept up, so capacity may be higher than measured.
     Example: 1, 2, 4, 8 kept up, 16 did not -> 12 (kept up) -> 14 (did not): stop; two rates failed.
     """
     levels: list[LevelResult] = []
@@ -170,9 +154,8 @@ def run_sweep(
     for _ in range(sweep.max_levels):
         result = run_open_loop(endpoint, workload, rate, load, clock_zero)
         levels.append(result)
-        keep_up = result.summary.get("keep_up_req_s")
-        keep_up = rate if keep_up is None or not math.isfinite(keep_up) else keep_up
-        kept_up[rate] = result.summary["served_req_s"] >= sweep.saturation * keep_up
+        arrivals = _finite_or(result.summary.get("arrival_req_s"), rate)
+        kept_up[rate] = _steady(result.summary) >= sweep.saturation * arrivals
         passed = [r for r, ok in kept_up.items() if ok]
         failed = [r for r, ok in kept_up.items() if not ok]
         if len(failed) >= 2:
@@ -188,8 +171,17 @@ def run_sweep(
             break
         else:
             rate = (low + high) / 2
-    capacity = max((level.summary["served_req_s"] for level in levels), default=0.0)
+    capacity = max((_steady(level.summary) for level in levels), default=0.0)
     return SweepResult(levels, capacity, kept_up[max(kept_up)])
+
+
+def _finite_or(value: float | None, default: float) -> float:
+    return value if value is not None and math.isfinite(value) else default
+
+
+def _steady(summary: dict[str, Any]) -> float:
+    """A level's steady completion rate; served_req_s where too few requests completed to have one."""
+    return _finite_or(summary.get("steady_req_s"), summary["served_req_s"])
 
 
 def _run_level(
@@ -237,7 +229,7 @@ def _run_level(
         "client_cpu_util": worst.cpu_util,
     }
     if level.mode == "open":
-        summary["keep_up_req_s"] = keep_up_rate(rows, summary["e2e_p50_s"])
+        summary.update(open_loop_rates(rows))
     notes = worst.warnings()
     if summary["send_lag_p99_s"] > SEND_LAG_WARN_S:
         notes.append(f"send lag p99 {summary['send_lag_p99_s'] * 1e3:.1f} ms: requests went out late")

@@ -11,6 +11,7 @@
 #
 # usage: scripts/perf_trials.sh NAME [MODEL] [PROFILE]   (defaults: qwen2.5-1.5b, full)
 # env:   VLLM_GPU (0), ENGINE_GPU (1), TARGETS ("vllm engine"), PERF_TIMEOUT (seconds per trial, 540),
+#        PERF_K (a pytest -k expression: only those cases),
 #        PERF_DTYPE (bfloat16; float32 for the engine on CPU), PERF_VLLM_ENV (a staged vLLM's env file; see bench/launch.py)
 # Writes perf-out/NAME/TARGET/ (summary JSON, benchmark JSON, report) and perf-out/NAME/TARGET.log.
 set -uo pipefail
@@ -42,23 +43,35 @@ sys.exit(0 if ok else 1)
 EOF
 }
 
-one_target() {  # TARGET GPU: start its server unless it is up, then one trial
-  local target=$1 gpu=$2 info=$root/$1-server.json
-  export CUDA_VISIBLE_DEVICES=$gpu
-  if ! serving "$info"; then
-    python3 -m bench serve --target "$target" --model "$folder" --dtype "${PERF_DTYPE:-bfloat16}" --info "$info" --log "$root/$target-server.log" || return 3
-  fi
-  mkdir -p "$root/$name/$target"
-  timeout "${PERF_TIMEOUT:-540}" python3 -m pytest -m perf tests/perf --target "$target" --server-info "$info" \
-    --model "$(basename "$model")" --profile "$profile" --trials 1 --perf-out "$root/$name/$target" \
-    --benchmark-json "$root/$name/$target/benchmark.json" -q -rs -p no:cacheprovider
+gpu_of() { if [ "$1" = engine ]; then echo "${ENGINE_GPU:-1}"; else echo "${VLLM_GPU:-0}"; fi; }
+
+start_server() {  # TARGET: unless its server is up already
+  local target=$1 info=$root/$1-server.json
+  serving "$info" && return 0
+  CUDA_VISIBLE_DEVICES=$(gpu_of "$target") python3 -m bench serve --target "$target" --model "$folder" \
+    --dtype "${PERF_DTYPE:-bfloat16}" --info "$info" --log "$root/$target-server.log"
 }
 
+trial() {  # TARGET: one trial against its running server
+  local target=$1
+  mkdir -p "$root/$name/$target"
+  CUDA_VISIBLE_DEVICES=$(gpu_of "$target") timeout "${PERF_TIMEOUT:-540}" python3 -m pytest -m perf tests/perf \
+    --target "$target" --server-info "$root/$target-server.json" --model "$(basename "$model")" \
+    --profile "$profile" --trials 1 --perf-out "$root/$name/$target" \
+    --benchmark-json "$root/$name/$target/benchmark.json" -q -rs -p no:cacheprovider ${PERF_K:+-k "$PERF_K"}
+}
+
+# All servers first, then the trials side by side: a trial never shares the host with a server's start.
 pids=()
 for target in ${TARGETS:-vllm engine}; do
-  gpu=${VLLM_GPU:-0}
-  [ "$target" = engine ] && gpu=${ENGINE_GPU:-1}
-  one_target "$target" "$gpu" >"$root/$name/$target.log" 2>&1 &
+  start_server "$target" >"$root/$name/$target-start.log" 2>&1 &
+  pids+=($!)
+done
+for pid in "${pids[@]}"; do wait "$pid" || { cat "$root/$name/"*-start.log; exit 3; }; done
+cat "$root/$name/"*-start.log
+pids=()
+for target in ${TARGETS:-vllm engine}; do
+  trial "$target" >"$root/$name/$target.log" 2>&1 &
   pids+=($!)
 done
 status=0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from bench.budgets import check_closed, check_sweep
+from bench.metrics import describe_failures
 from bench.runner import run_closed_loop, run_sweep
 from bench.trials import CLOSED_LOOP_KEYS, OPEN_LOOP_KEYS, fold_levels
 
@@ -18,9 +19,15 @@ pytestmark = pytest.mark.perf
 
 def test_open_loop_sweep(benchmark, server, target, perf, recorder):
     trials = []
+    failed: list[str] = []
 
     def trial() -> None:
         result = run_sweep(server.endpoint, perf.workload, perf.profile.sweep_load, perf.profile.sweep)
+        failed.extend(
+            f"rate {level.summary['rate']:g}/s: {line}"
+            for level in result.levels
+            for line in describe_failures(level.rows)
+        )
         levels = [
             {"rate": level.summary["rate"], **{k: level.summary[k] for k in OPEN_LOOP_KEYS}}
             for level in result.levels
@@ -43,9 +50,8 @@ def test_open_loop_sweep(benchmark, server, target, perf, recorder):
         case="sweep",
         open_loop=summary["open_loop"],
     )
-    assert all(level["failures"] == 0 for t in trials for level in t["levels"]), (
-        "requests failed during the sweep"
-    )
+    recorder.records[target].notes.extend(f"failed requests, {line}" for line in failed)
+    assert not failed, "requests failed during the sweep:\n" + "\n".join(failed)
     recorder.check(
         target,
         lambda reference, budgets: check_sweep(
@@ -56,16 +62,21 @@ def test_open_loop_sweep(benchmark, server, target, perf, recorder):
 
 def test_closed_loop(benchmark, server, target, concurrency, perf, recorder):
     trials = []
+    failed: list[str] = []
 
     def trial() -> None:
         result = run_closed_loop(server.endpoint, perf.workload, concurrency, perf.profile.closed_load)
+        failed.extend(describe_failures(result.rows))
         trials.append({"concurrency": concurrency, **{k: result.summary[k] for k in CLOSED_LOOP_KEYS}})
 
     benchmark.pedantic(trial, rounds=perf.trials, iterations=1)
     recorder.records[target].closed_trials[concurrency] = trials
     folded = fold_levels([[t] for t in trials], "concurrency", CLOSED_LOOP_KEYS)[0]
     benchmark.extra_info.update(folded, target=target, case="closed_loop")
+    recorder.records[target].notes.extend(
+        f"failed requests, concurrency {concurrency}: {line}" for line in failed
+    )
     assert folded["failures_max"] == 0, (
-        f"{folded['failures_max']:g} requests failed at concurrency {concurrency}"
+        f"{folded['failures_max']:g} requests failed at concurrency {concurrency}:\n" + "\n".join(failed)
     )
     recorder.check(target, lambda reference, budgets: check_closed(concurrency, folded, reference, budgets))
