@@ -219,44 +219,6 @@ def describe_failures(rows: Sequence[RequestRow]) -> list[str]:
     return [f"{kind} x{count}: {first[kind][:200]}" for kind, count in counts.items()]
 
 
-STEADY_MIN_REQUESTS = 6
-
-
-def open_loop_rates(rows: Sequence[RequestRow]) -> dict[str, float]:
-    """How fast requests arrived, and the rate the server sustained, from one open-loop level.
-
-    - arrival_req_s = (arrivals − 1) / their span: the rate actually offered (the Poisson draw, not
-      the nominal rate)
-    - latency_trend = d(e2e)/d(arrival time), fitted by least squares over ok requests together with
-      their output and prompt lengths (e2e ≈ c + trend·arrival + t·output_tokens + p·prompt_len)
-    - steady_req_s = arrival_req_s / (1 + max(trend, 0))
-
-    Why not served_req_s: it runs from the first arrival to the last completion, so it counts the
-    drain; when a request takes a sizeable part of the level (5-10 s against 15-s levels) it reads
-    far under what the server sustains, and an idle server looks saturated. A server that keeps up
-    shows no trend: later arrivals take as long as earlier ones of the same length. One that does
-    not falls behind by (offered − sustained) requests a second, so each later arrival waits longer,
-    trend = offered / sustained − 1, and steady_req_s reads the sustained rate. Fitting the lengths
-    too removes most of the spread between requests, so a level of ~15 requests is enough.
-    NaN for fewer than STEADY_MIN_REQUESTS ok requests.
-    """
-    measured = [row for row in rows if not row.warmup]
-    ok = [row for row in measured if row.ok]
-    result = {"arrival_req_s": math.nan, "latency_trend": math.nan, "steady_req_s": math.nan}
-    arrivals = sorted(row.scheduled_s for row in measured)
-    if len(arrivals) >= 2 and arrivals[-1] > arrivals[0]:
-        result["arrival_req_s"] = (len(arrivals) - 1) / (arrivals[-1] - arrivals[0])
-    if len(ok) < STEADY_MIN_REQUESTS or not math.isfinite(result["arrival_req_s"]):
-        return result
-    design = np.array([[1.0, row.scheduled_s, row.output_tokens, row.prompt_len] for row in ok])
-    e2e = np.array([row.e2e_s for row in ok])
-    coefficients, *_ = np.linalg.lstsq(design, e2e, rcond=None)
-    trend = float(coefficients[1])
-    result["latency_trend"] = trend
-    result["steady_req_s"] = result["arrival_req_s"] / (1.0 + max(trend, 0.0))
-    return result
-
-
 def latency_stats(name: str, values: Sequence[float]) -> dict[str, float]:
     """`{name}_mean_s`, `{name}_p50_s`, `{name}_p90_s`, `{name}_p99_s` (NaN when there are no values)."""
     stats = {f"{name}_mean_s": float(np.mean(values)) if len(values) else math.nan}
@@ -265,9 +227,7 @@ def latency_stats(name: str, values: Sequence[float]) -> dict[str, float]:
     return stats
 
 
-HIGHER_IS_BETTER = frozenset(
-    {"served_req_s", "steady_req_s", "output_tok_s", "goodput_req_s", "capacity_req_s"}
-)
+HIGHER_IS_BETTER = frozenset({"served_req_s", "output_tok_s", "goodput_req_s", "capacity_req_s"})
 LOWER_IS_BETTER = frozenset(
     {f"{name}_{stat}_s" for name in LATENCY_METRICS for stat in STAT_NAMES}
     | {"send_lag_p99_s", "failures", "client_loop_lag_p99_s"}

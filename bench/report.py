@@ -26,8 +26,7 @@ from bench.results import Result, level_key, load_result  # noqa: E402
 # (summary key, column header, format): latencies are stored in seconds and shown in milliseconds
 OPEN_COLUMNS = [
     ("rate", "offered req/s", "rate"),
-    ("steady_req_s", "sustained req/s", "rate"),
-    ("served_req_s", "served req/s (with drain)", "rate"),
+    ("served_req_s", "served req/s", "rate"),
     ("output_tok_s", "output tok/s", "tokens"),
     ("goodput_req_s", "goodput req/s", "rate"),
     ("ttft_p50_s", "TTFT p50 ms", "ms"),
@@ -191,17 +190,15 @@ def _plot_open(results: Sequence[Result]) -> bytes:
     highest = 0.0
     for i, r in enumerate(results):
         color = f"C{i}"
-        x, y = _series(r, "open", "rate", "steady_req_s")
-        if not y:  # results from before the sustained rate was measured
-            x, y = _series(r, "open", "rate", "served_req_s")
+        x, y = _series(r, "open", "rate", "served_req_s")
         highest = max([highest, *x, *y])
         axes[0].plot(x, y, "o-", color=color, label=r.target)
         for ax, name in ((axes[1], "ttft"), (axes[2], "e2e")):
             for stat, style in (("p50", "o-"), ("p99", "s--")):
                 x, y = _series(r, "open", "rate", f"{name}_{stat}_s")
                 ax.plot(x, y, style, color=color, label=f"{r.target} {stat}")
-    axes[0].plot([0, highest], [0, highest], ":", color="gray", label="sustained = offered")
-    axes[0].set(title="Sustained vs offered rate", xlabel="offered (req/s)", ylabel="sustained (req/s)")
+    axes[0].plot([0, highest], [0, highest], ":", color="gray", label="served = offered")
+    axes[0].set(title="Served vs offered rate", xlabel="offered (req/s)", ylabel="served (req/s)")
     axes[1].set(title="TTFT vs rate", xlabel="offered (req/s)", ylabel="ms")
     axes[2].set(title="End-to-end latency vs rate", xlabel="offered (req/s)", ylabel="ms")
     return _finish(fig, axes)

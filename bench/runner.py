@@ -15,13 +15,13 @@ import multiprocessing as mp
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tqdm import tqdm
 
 from bench.client import Endpoint, make_http_client, send_request
-from bench.metrics import RequestRow, Slo, open_loop_rates, summarize
+from bench.metrics import RequestRow, Slo, summarize
 from bench.selfcheck import ClientLoad, ClientMonitor
 from bench.workload import Arrival, Request, WorkloadSpec, arrival_offsets, make_request
 
@@ -46,14 +46,23 @@ class LoadConfig:
 
 @dataclass(frozen=True)
 class SweepConfig:
-    """Open-loop rates from `start_rate`: double while served >= `saturation` x offered, then bisect
-    between the highest rate that kept up and the lowest that did not; stop after two rates that did
-    not keep up, after `max_levels` levels, or when the bracket is narrower than `min_ratio`."""
+    """Open-loop rates from `start_rate`: double while the server keeps up, then bisect between the
+    highest rate that kept up and the lowest that did not; stop after two rates that did not keep
+    up, after `max_levels` levels, or when the bracket is narrower than `min_ratio`.
+
+    A level kept up when served_req_s >= `saturation` x keep_up_req_s (see keep_up_rate), the drain
+    being the level's e2e p90, bounded by twice the p90 at the lowest rate that kept up (past that
+    bound a level's latency holds a backlog, which would excuse it). Each level after the first lasts
+    at least `latency_multiple` x the p90 at the highest rate that kept up (same bound; at most
+    `max_level_s`): on levels no longer than its requests, an engine at 5-12 s a request looked
+    saturated at 1 req/s while it sustained several."""
 
     start_rate: float = 1.0
     max_levels: int = 12
     saturation: float = 0.9
     min_ratio: float = 1.05
+    latency_multiple: float = 4.0
+    max_level_s: float = 120.0
 
 
 @dataclass
@@ -134,6 +143,33 @@ def run_closed_loop(
     return _run_level(endpoint, workload, level, load, shares, load.duration_s, clock_zero)
 
 
+def keep_up_rate(rows: list[RequestRow], drain_s: float) -> float:
+    """The served rate a server that keeps up would show at this level: the requests actually
+    scheduled / (their arrival span + drain_s), drain_s being how long the last arrivals take when
+    the server keeps up.
+
+    served_req_s counts from the first arrival to the last completion, so even an idle server
+    scores below the nominal rate on a short level (the last requests' latency, and the Poisson
+    draw of how many arrivals fell in the window). The sweep compares served_req_s with this
+    instead, so a level is saturated only when completions fall behind arrivals.
+    """
+    measured = [row for row in rows if not row.warmup]
+    if len(measured) < 2 or not math.isfinite(drain_s):
+        return math.nan
+    span = max(row.scheduled_s for row in measured) - min(row.scheduled_s for row in measured)
+    return len(measured) / (span + drain_s)
+
+
+def _level_load(load: LoadConfig, sweep: SweepConfig, rate: float, latency_s: float | None) -> LoadConfig:
+    """The load of the next level, stretched to `latency_multiple` x the latency it will see."""
+    if latency_s is None or not math.isfinite(latency_s):
+        return load
+    wanted_s = min(sweep.latency_multiple * latency_s, sweep.max_level_s)
+    if load.duration_s is not None:
+        return replace(load, duration_s=max(load.duration_s, wanted_s))
+    return replace(load, n_requests=max(load.n_requests, math.ceil(rate * wanted_s)))
+
+
 def run_sweep(
     endpoint: Endpoint,
     workload: WorkloadSpec,
@@ -142,20 +178,35 @@ def run_sweep(
     clock_zero: float | None = None,
 ) -> SweepResult:
     """Raise the open-loop rate until the server stops keeping up (see SweepConfig): a level kept up
-    when steady_req_s >= saturation x arrival_req_s (see bench.metrics.open_loop_rates).
+    when served_req_s >= saturation x keep_up_req_s (see keep_up_rate).
 
-    capacity_req_s = the highest steady_req_s of any level; capacity_still_rising = the highest rate
-    tried still kept up, so capacity may be higher than measured.
+    capacity_req_s = the highest served_req_s of any level (a saturated server works flat out from
+    the first arrival to the last completion, so there served_req_s is its sustained rate);
+    capacity_still_rising = the highest rate tried still kept up, so capacity may be higher.
     Example: 1, 2, 4, 8 kept up, 16 did not -> 12 (kept up) -> 14 (did not): stop; two rates failed.
     """
     levels: list[LevelResult] = []
     kept_up: dict[float, bool] = {}
+    latency_kept_up: dict[float, float] = {}  # rate -> e2e p90 at the rates that kept up
     rate = sweep.start_rate
     for _ in range(sweep.max_levels):
-        result = run_open_loop(endpoint, workload, rate, load, clock_zero)
+        # A server that keeps up takes at most twice its latency at the lowest rate it kept up with;
+        # past that, a level's latency holds a backlog and would excuse it (and stretch it).
+        bound = 2.0 * latency_kept_up[min(latency_kept_up)] if latency_kept_up else math.inf
+        below = [r for r in latency_kept_up if r < rate]
+        reference = min(latency_kept_up[max(below)], bound) if below else None
+        level_load = _level_load(load, sweep, rate, reference)
+        result = run_open_loop(endpoint, workload, rate, level_load, clock_zero)
         levels.append(result)
-        arrivals = _finite_or(result.summary.get("arrival_req_s"), rate)
-        kept_up[rate] = _steady(result.summary) >= sweep.saturation * arrivals
+        summary = result.summary
+        own_p90 = summary.get("e2e_p90_s", math.nan)
+        drain = min(own_p90, bound)  # how long its last arrivals take if the server keeps up
+        keep_up = keep_up_rate(result.rows, drain) if result.rows else math.nan
+        summary["keep_up_req_s"] = keep_up
+        keep_up = rate if not math.isfinite(keep_up) else keep_up
+        kept_up[rate] = summary["served_req_s"] >= sweep.saturation * keep_up
+        if kept_up[rate] and math.isfinite(own_p90):
+            latency_kept_up[rate] = own_p90
         passed = [r for r, ok in kept_up.items() if ok]
         failed = [r for r, ok in kept_up.items() if not ok]
         if len(failed) >= 2:
@@ -171,17 +222,8 @@ def run_sweep(
             break
         else:
             rate = (low + high) / 2
-    capacity = max((_steady(level.summary) for level in levels), default=0.0)
+    capacity = max((level.summary["served_req_s"] for level in levels), default=0.0)
     return SweepResult(levels, capacity, kept_up[max(kept_up)])
-
-
-def _finite_or(value: float | None, default: float) -> float:
-    return value if value is not None and math.isfinite(value) else default
-
-
-def _steady(summary: dict[str, Any]) -> float:
-    """A level's steady completion rate; served_req_s where too few requests completed to have one."""
-    return _finite_or(summary.get("steady_req_s"), summary["served_req_s"])
 
 
 def _run_level(
@@ -228,8 +270,6 @@ def _run_level(
         "client_loop_lag_p99_s": worst.loop_lag_p99_s,
         "client_cpu_util": worst.cpu_util,
     }
-    if level.mode == "open":
-        summary.update(open_loop_rates(rows))
     notes = worst.warnings()
     if summary["send_lag_p99_s"] > SEND_LAG_WARN_S:
         notes.append(f"send lag p99 {summary['send_lag_p99_s'] * 1e3:.1f} ms: requests went out late")

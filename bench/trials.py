@@ -12,8 +12,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 OPEN_LOOP_KEYS = (
-    "steady_req_s",
-    "arrival_req_s",
     "served_req_s",
     "ttft_p50_s",
     "ttft_p99_s",

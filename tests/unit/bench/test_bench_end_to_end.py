@@ -204,25 +204,3 @@ def test_monitor_sees_a_blocked_loop():
     assert load_seen.loop_lag_p99_s >= 0.04
     assert load_seen.cpu_util < 0.5  # sleeping is not CPU
     assert any("loop lag" in note for note in load_seen.warnings())
-
-
-def test_sweep_judges_by_the_sustained_rate_not_the_drained_one(monkeypatch):
-    """A slow server that keeps up (served_req_s low from the drain, steady rate = offered) is not
-    called saturated; capacity is the highest sustained rate."""
-    tried = []
-
-    def pretend(endpoint, workload, rate, load, clock_zero=None):
-        tried.append(rate)
-        sustained = min(rate, 6.0)
-        summary = {
-            "rate": rate,
-            "served_req_s": 0.55 * rate,
-            "arrival_req_s": rate,
-            "steady_req_s": sustained,
-        }
-        return LevelResult(summary, [], [])
-
-    monkeypatch.setattr(runner, "run_open_loop", pretend)
-    result = run_sweep(Endpoint("http://unused/v1", "m"), FIXED, load(), SweepConfig(start_rate=1))
-    assert tried[:4] == [1, 2, 4, 8]
-    assert result.capacity_req_s == pytest.approx(6.0)

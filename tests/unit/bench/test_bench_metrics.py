@@ -12,12 +12,12 @@ from bench.metrics import (
     Slo,
     describe_failures,
     metric_direction,
-    open_loop_rates,
     parse_slo,
     percentile,
     summarize,
 )
 from bench.results import read_rows, write_rows
+from bench.runner import keep_up_rate
 
 
 def make_row(
@@ -133,49 +133,25 @@ class TestDirection:
         assert metric_direction(key) is None
 
 
-class TestOpenLoopRates:
-    @staticmethod
-    def lengths(i: int) -> int:
-        return (37 * i) % 256 + 1  # output lengths spread over 1..256, as in seed-mix
+class TestKeepUpRate:
+    def test_an_idle_server_meets_its_own_bar(self):
+        # 10 arrivals 1 s apart, each served in 2 s: served_req_s = 10 / 11 s, under the nominal 1/s.
+        rows = [make_row(i, scheduled=float(i), first=i + 0.1, done=i + 2.0) for i in range(10)]
+        served = summarize(rows)["served_req_s"]
+        assert served == pytest.approx(10 / 11)
+        assert keep_up_rate(rows, 2.0) == pytest.approx(10 / 11)
+        assert served >= 0.9 * keep_up_rate(rows, 2.0)
 
-    def test_a_server_that_keeps_up_shows_no_trend_however_long_its_requests(self):
-        # 15 arrivals a second apart; each takes 0.1 s + 40 ms a token: up to 10 s, against a 14-s
-        # span. served_req_s counts the drain and reads ~0.6/s; the steady rate reads the offered 1/s.
-        rows = [
-            make_row(i, scheduled=float(i), done=i + 0.1 + 0.04 * self.lengths(i), tokens=self.lengths(i))
-            for i in range(15)
-        ]
-        rates = open_loop_rates(rows)
-        assert summarize(rows)["served_req_s"] < 0.75
-        assert rates["arrival_req_s"] == pytest.approx(1.0)
-        assert rates["latency_trend"] == pytest.approx(0.0, abs=1e-9)
-        assert rates["steady_req_s"] == pytest.approx(1.0)
+    def test_a_saturated_server_falls_below_it(self):
+        # The same arrivals, served one after another every 2 s: completions fall behind.
+        rows = [make_row(i, scheduled=float(i), first=2.0 * i + 1.9, done=2.0 * (i + 1)) for i in range(10)]
+        e2e_p50 = summarize(rows)["e2e_p50_s"]
+        assert summarize(rows)["served_req_s"] < 0.9 * keep_up_rate(rows, e2e_p50)
 
-    def test_a_saturated_server_reads_its_service_rate(self):
-        # The same arrivals, one served every 2 s in order (a queue): each later arrival waits 1 s
-        # more, so the trend is 1 and the sustained rate 0.5/s.
-        rows = []
-        free = 0.0
-        for i in range(15):
-            start = max(float(i), free)
-            free = start + 2.0
-            rows.append(
-                make_row(i, scheduled=float(i), done=free + 0.01 * self.lengths(i), tokens=self.lengths(i))
-            )
-        rates = open_loop_rates(rows)
-        assert rates["latency_trend"] == pytest.approx(1.0)
-        assert rates["steady_req_s"] == pytest.approx(0.5)
-
-    def test_warmup_and_failed_rows_and_too_few_requests(self):
-        rows = [make_row(i, scheduled=float(i), done=i + 1.0) for i in range(10)]
-        rows[0].warmup = True
-        rows[1].status = "short"
-        rates = open_loop_rates(rows)
-        assert rates["arrival_req_s"] == pytest.approx(8 / 8)  # 9 measured arrivals over 8 s
-        assert math.isfinite(rates["steady_req_s"])
-        few = open_loop_rates(rows[:6])
-        assert math.isnan(few["steady_req_s"]) and math.isnan(few["latency_trend"])
-        assert math.isnan(open_loop_rates([make_row(0)])["arrival_req_s"])
+    def test_warmup_rows_and_degenerate_levels(self):
+        rows = [make_row(0, warmup=True), make_row(1, scheduled=1.0, done=2.0)]
+        assert math.isnan(keep_up_rate(rows, 1.0))
+        assert math.isnan(keep_up_rate([make_row(0), make_row(1, scheduled=1.0)], math.nan))
 
 
 def test_failures_are_described_by_kind_with_the_first_error():
