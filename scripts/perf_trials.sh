@@ -3,14 +3,14 @@
 # against servers started once (`python -m bench serve`) and left running between invocations.
 #
 # Why: a stored baseline wants several trials, vLLM takes ~2 minutes to start, and one full-profile
-# trial of one target takes ~5 minutes; where commands are time-limited, each invocation runs one trial
-# of both targets and the trials are folded afterwards:
+# trial of vLLM takes ~5 minutes on an H200; where commands are time-limited, each invocation runs one
+# trial of both targets and the trials are folded afterwards:
 #   scripts/perf_trials.sh t1; scripts/perf_trials.sh t2; scripts/perf_trials.sh t3
 #   python -m bench merge perf-out/t*/vllm/vllm-seed-mix.json --out baselines/<gpu>/<model>/vllm-seed-mix.json
 # The two targets share the host's CPUs while they run; the trials' spread shows what that costs.
 #
 # usage: scripts/perf_trials.sh NAME [MODEL] [PROFILE]   (defaults: qwen2.5-1.5b, full)
-# env:   VLLM_GPU (0), ENGINE_GPU (1), TARGETS ("vllm engine"), PERF_TIMEOUT (seconds per trial, 540),
+# env:   VLLM_GPU (0), ENGINE_GPU (1), TARGETS ("vllm engine"), PERF_TIMEOUT (seconds per trial; 0, the default, for none),
 #        PERF_K (a pytest -k expression: only those cases),
 #        PERF_DTYPE (bfloat16; float32 for the engine on CPU), PERF_VLLM_ENV (a staged vLLM's env file; see bench/launch.py)
 # Writes perf-out/NAME/TARGET/ (summary JSON, benchmark JSON, report) and perf-out/NAME/TARGET.log.
@@ -55,7 +55,7 @@ start_server() {  # TARGET: unless its server is up already
 trial() {  # TARGET: one trial against its running server
   local target=$1
   mkdir -p "$root/$name/$target"
-  CUDA_VISIBLE_DEVICES=$(gpu_of "$target") timeout "${PERF_TIMEOUT:-540}" python3 -m pytest -m perf tests/perf \
+  CUDA_VISIBLE_DEVICES=$(gpu_of "$target") timeout "${PERF_TIMEOUT:-0}" python3 -m pytest -m perf tests/perf \
     --target "$target" --server-info "$root/$target-server.json" --model "$(basename "$model")" \
     --profile "$profile" --trials 1 --perf-out "$root/$name/$target" \
     --benchmark-json "$root/$name/$target/benchmark.json" -q -rs -p no:cacheprovider ${PERF_K:+-k "$PERF_K"}

@@ -45,10 +45,11 @@ SEED_MIX = WorkloadSpec(kind="seed-mix", seed=0)
 
 @dataclass(frozen=True)
 class Profile:
-    """How much load each case sends. `full`: one trial of either target on qwen2.5-1.5b fits a
-    10-minute command with the server's start (levels by duration: 15 s holds ~750 requests at vLLM's
-    H200 capacity, ~30 at the engine's); `short`: capacity and two closed-loop levels of both targets
-    in one command; `smoke` exercises the whole pipeline on CPU in a few minutes."""
+    """How much load each case sends. `full`: levels of at least 15 s (~750 requests at vLLM's H200
+    capacity); the sweep stretches a level to 3x the p90 latency where the server last kept up, up to
+    60 s, so a slow server's trial takes longer (vLLM: ~5 minutes a trial on an H200); `short`:
+    capacity and two closed-loop levels of both targets in one command; `smoke` exercises the whole
+    pipeline on CPU in a few minutes."""
 
     name: str
     sweep: SweepConfig
@@ -62,7 +63,7 @@ class Profile:
 PROFILES = {
     "full": Profile(
         name="full",
-        sweep=SweepConfig(start_rate=1.0, max_levels=10),
+        sweep=SweepConfig(start_rate=1.0, max_levels=10, latency_multiple=3.0, max_level_s=60.0),
         sweep_load=LoadConfig(duration_s=15.0, progress=False),
         concurrencies=(1, 8, 32, 128, 256),
         closed_load=LoadConfig(duration_s=15.0, progress=False),
