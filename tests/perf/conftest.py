@@ -82,7 +82,8 @@ PROFILES = {
     ),
     "smoke": Profile(
         name="smoke",
-        sweep=SweepConfig(start_rate=0.5, max_levels=4),
+        # Levels of 8 requests, stretched only past 1x the latency: the pipeline, in about a minute.
+        sweep=SweepConfig(start_rate=0.5, max_levels=4, latency_multiple=1.0),
         sweep_load=LoadConfig(n_requests=8, progress=False),
         concurrencies=(1, 4),
         closed_load=LoadConfig(n_requests=6, progress=False),
