@@ -99,6 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     load.add_argument("--sweep-start", type=float, default=1.0, help="first sweep rate in req/s")
     load.add_argument("--sweep-max-levels", type=int, default=12)
+    load.add_argument(
+        "--sweep-latency-multiple",
+        type=float,
+        default=SweepConfig.latency_multiple,
+        help="stretch each sweep level to this many times the p90 latency where the server kept up",
+    )
+    load.add_argument(
+        "--sweep-max-level-s", type=float, default=SweepConfig.max_level_s, help="longest sweep level"
+    )
     load.add_argument("--n-requests", type=int, default=400, help="measured requests per level")
     load.add_argument("--duration", type=float, help="seconds of arrivals per level, instead of --n-requests")
     load.add_argument(
@@ -233,7 +242,14 @@ def command_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         load=load,
         rates=args.rates,
         concurrencies=concurrency,
-        sweep=SweepConfig(args.sweep_start, args.sweep_max_levels) if args.sweep else None,
+        sweep=SweepConfig(
+            args.sweep_start,
+            args.sweep_max_levels,
+            latency_multiple=args.sweep_latency_multiple,
+            max_level_s=args.sweep_max_level_s,
+        )
+        if args.sweep
+        else None,
         out_dir=args.out or os.path.join("bench-out", f"{endpoint.target.replace(':', '_')}-{stamp}"),
     )
     run = run_benchmark(config)

@@ -73,7 +73,7 @@ PROFILES = {
     # Capacity and the closed loop at 1 and 128 of both targets in one 10-minute command (--target both).
     "short": Profile(
         name="short",
-        sweep=SweepConfig(start_rate=1.0, max_levels=8),
+        sweep=SweepConfig(start_rate=1.0, max_levels=8, latency_multiple=2.0, max_level_s=20.0),
         sweep_load=LoadConfig(duration_s=10.0, progress=False),
         concurrencies=(1, 128),
         closed_load=LoadConfig(duration_s=10.0, progress=False),

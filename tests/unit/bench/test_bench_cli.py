@@ -205,3 +205,17 @@ def test_cli_help_and_usage_errors():
     with pytest.raises(SystemExit) as exit_info:
         main(["compare", "a", "b", "--max-drop", "served_req_s=0.05"])
     assert exit_info.value.code == 2
+
+
+def test_sweep_flags_reach_the_sweep(monkeypatch):
+    import bench.__main__ as cli
+
+    seen = {}
+    monkeypatch.setattr(cli, "first_model", lambda base_url, api_key=None: "m")
+    monkeypatch.setattr(
+        cli, "run_benchmark", lambda config: seen.setdefault("config", config) and {"levels": []}
+    )
+    argv = ["run", "--base-url", "http://127.0.0.1:1/v1", "--target", "x", "--sweep", "--quiet"]
+    main([*argv, "--sweep-latency-multiple", "2.5", "--sweep-max-level-s", "30"])
+    sweep = seen["config"].sweep
+    assert (sweep.latency_multiple, sweep.max_level_s, sweep.start_rate) == (2.5, 30.0, 1.0)
