@@ -142,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     merge = commands.add_parser("merge", help="fold single-trial perf summaries of one target into one")
     merge.add_argument("summaries", nargs="+", help="summary JSON files, one trial each")
+    merge.add_argument(
+        "--sweep-from",
+        nargs="+",
+        default=None,
+        help="take the open-loop sweep from these single-trial summaries (sweeps re-run on their own); "
+        "the closed loops then come from the positional ones only",
+    )
     merge.add_argument("--out", required=True)
 
     serve = commands.add_parser(
@@ -188,9 +195,15 @@ def command_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_json(paths: Sequence[str]) -> list[dict]:
+    return [json.loads(Path(path).read_text()) for path in paths]
+
+
 def command_merge(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
-        merged = merge_summaries([json.loads(Path(path).read_text()) for path in args.summaries])
+        merged = merge_summaries(
+            _read_json(args.summaries), _read_json(args.sweep_from) if args.sweep_from else None
+        )
     except (OSError, ValueError) as exc:
         parser.error(str(exc))
     out = Path(args.out)

@@ -73,17 +73,23 @@ def summarize_trials(
     return summary
 
 
-def merge_summaries(summaries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+def merge_summaries(
+    summaries: Sequence[Mapping[str, Any]], sweep_from: Sequence[Mapping[str, Any]] | None = None
+) -> dict[str, Any]:
     """Fold single-trial summaries of one target, measured in separate runs, into one summary.
 
     A full-profile trial can take most of a time-limited command, so trials may be run one per
     command and merged afterwards: each input's figures are one trial's values. Inputs must agree on
     target, model, GPU and workload, and each must hold exactly one trial.
+
+    sweep_from: take the open-loop sweep (and capacity) from these runs instead, and only the closed
+    loops from `summaries`: for sweeps re-run on their own (`pytest -m perf -k sweep`). The result
+    says so in `sweep_from` (their dates) and `sweep_trials`.
     """
     if not summaries:
         raise ValueError("nothing to merge")
     first = summaries[0]
-    for summary in summaries:
+    for summary in [*summaries, *(sweep_from or [])]:
         if summary.get("trials") != 1:
             raise ValueError(
                 f"only single-trial summaries can be merged; one holds {summary.get('trials')} trials"
@@ -91,13 +97,14 @@ def merge_summaries(summaries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         for key in ("target", "model", "gpu", "workload"):
             if summary.get(key) != first.get(key):
                 raise ValueError(f"summaries differ in {key}: {first.get(key)!r} vs {summary.get(key)!r}")
+    sweeps = summaries if sweep_from is None else sweep_from
     sweep_trials = [
         {
             "capacity_req_s": s["capacity_req_s"],
             "capacity_still_rising": s["capacity_still_rising"],
             "levels": s["open_loop"],
         }
-        for s in summaries
+        for s in sweeps
         if s.get("capacity_req_s") is not None
     ]
     header = {
@@ -106,6 +113,9 @@ def merge_summaries(summaries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         if k not in ("open_loop", "closed_loop", "trials") and not k.startswith("capacity_")
     }
     header["merged_from"] = [s.get("date") for s in summaries]
+    if sweep_from is not None:
+        header["sweep_from"] = [s.get("date") for s in sweep_from]
+        header["sweep_trials"] = len(sweep_trials)
     closed = [list(s.get("closed_loop") or []) for s in summaries]
     return summarize_trials(
         header=header, sweep_trials=sweep_trials, closed_trials=closed, trials=len(summaries)

@@ -7,6 +7,7 @@
 # trial of both targets and the trials are folded afterwards:
 #   scripts/perf_trials.sh t1; scripts/perf_trials.sh t2; scripts/perf_trials.sh t3
 #   python -m bench merge perf-out/t*/vllm/vllm-seed-mix.json --out baselines/<gpu>/<model>/vllm-seed-mix.json
+# With PERF_K=sweep (only the sweeps), fold them in with `bench merge ... --sweep-from perf-out/s*/...`.
 # The two targets share the host's CPUs while they run; the trials' spread shows what that costs.
 #
 # usage: scripts/perf_trials.sh NAME [MODEL] [PROFILE]   (defaults: qwen2.5-1.5b, full)

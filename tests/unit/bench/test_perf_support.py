@@ -203,3 +203,24 @@ def test_merge_refuses_mixed_or_multi_trial_inputs():
     other = dict(_one_trial(1.0, 1.0, "d"), target="engine")
     with pytest.raises(ValueError, match="target"):
         merge_summaries([_one_trial(1.0, 1.0, "d"), other])
+
+
+def test_merge_takes_the_sweep_from_runs_of_their_own(tmp_path):
+    closed = [_one_trial(1.0, 450.0, "c1"), _one_trial(2.0, 460.0, "c2"), _one_trial(3.0, 455.0, "c3")]
+    sweeps = [_one_trial(50.0, 0.0, "s1"), _one_trial(54.0, 0.0, "s2")]
+    for part in sweeps:
+        part["closed_loop"] = []  # a sweep-only run
+    merged = merge_summaries(closed, sweep_from=sweeps)
+    assert merged["capacity_req_s"] == 52.0 and merged["capacity_req_s_min"] == 50.0
+    assert merged["closed_loop"][0]["output_tok_s"] == 455.0 and merged["trials"] == 3
+    assert merged["sweep_from"] == ["s1", "s2"] and merged["sweep_trials"] == 2
+    with pytest.raises(ValueError, match="target"):
+        merge_summaries(closed, sweep_from=[dict(sweeps[0], target="engine")])
+    paths = {}
+    for name, part in [("c1", closed[0]), ("c2", closed[1]), ("s1", sweeps[0]), ("s2", sweeps[1])]:
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps(part))
+    out = tmp_path / "m.json"
+    argv = ["merge", str(paths["c1"]), str(paths["c2"]), "--sweep-from", str(paths["s1"]), str(paths["s2"])]
+    assert bench_main([*argv, "--out", str(out)]) == 0
+    assert load_result(out).capacity_req_s == 52.0
