@@ -22,7 +22,7 @@ import httpx
 
 from bench.client import Endpoint
 from bench.compare import DEFAULT_MAX_DROP, compare_results, parse_max_drop
-from bench.launch import MAX_MODEL_LEN, ServerProcess, ServerSpec, free_port, target_args
+from bench.launch import MAX_MODEL_LEN, ServerProcess, ServerSpec
 from bench.metrics import parse_slo
 from bench.probe import first_model
 from bench.report import write_report
@@ -171,12 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def command_serve(args: argparse.Namespace) -> int:
-    spec = ServerSpec(
-        args.target,
-        str(Path(args.model).resolve()),
-        args.port or free_port(),
-        target_args(args.target, args.dtype, args.max_model_len, args.seed),
-        env_file=os.environ.get("PERF_VLLM_ENV") if args.target == "vllm" else None,
+    spec = ServerSpec.for_target(
+        args.target, str(Path(args.model).resolve()), args.dtype, args.port, args.max_model_len, args.seed
     )
     process = ServerProcess(spec, args.log or f"perf-out/{args.target}-server.log")
     try:

@@ -42,6 +42,26 @@ class ServerSpec:
     args: list[str] = field(default_factory=list)
     env_file: str | None = None  # sourced before a vLLM start
 
+    @classmethod
+    def for_target(
+        cls,
+        target: str,
+        model_dir: str,
+        dtype: str,
+        port: int | None = None,
+        max_model_len: int = MAX_MODEL_LEN,
+        seed: int = 0,
+    ) -> ServerSpec:
+        """The target as the perf tier starts it: its flags (target_args), a free port unless given,
+        and a staged vLLM through $PERF_VLLM_ENV when that is set."""
+        return cls(
+            target,
+            model_dir,
+            port or free_port(),
+            target_args(target, dtype, max_model_len, seed),
+            env_file=os.environ.get(VLLM_ENV_VARIABLE) if target == "vllm" else None,
+        )
+
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
@@ -92,6 +112,14 @@ def target_args(target: str, dtype: str, max_model_len: int = MAX_MODEL_LEN, see
     raise ValueError(f"unknown target {target!r} (engine or vllm)")
 
 
+def healthy(base_url: str, timeout_s: float = 2.0) -> bool:
+    """Whether the server at `base_url` (…/v1) answers /health with 200."""
+    try:
+        return httpx.get(base_url.removesuffix("/v1") + "/health", timeout=timeout_s).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def vllm_unavailable_reason() -> str | None:
     """None when vLLM can be started here, else why not."""
     env_file = os.environ.get(VLLM_ENV_VARIABLE)
@@ -134,18 +162,14 @@ class ServerProcess:
             start_new_session=True,
         )
         log.close()
-        health = self.spec.base_url.removesuffix("/v1") + "/health"
         while time.monotonic() - started < timeout_s:
             if self.process.poll() is not None:
                 raise RuntimeError(
                     f"{self.spec.target} server exited with {self.process.returncode} before it was ready:\n{self.log_tail()}"
                 )
-            try:
-                if httpx.get(health, timeout=2.0).status_code == 200:
-                    self.ready_after_s = time.monotonic() - started
-                    return self
-            except httpx.HTTPError:
-                pass
+            if healthy(self.spec.base_url):
+                self.ready_after_s = time.monotonic() - started
+                return self
             time.sleep(0.5)
         self.stop()
         raise TimeoutError(

@@ -201,7 +201,7 @@ def run_sweep(
         summary = result.summary
         own_p90 = summary.get("e2e_p90_s", math.nan)
         drain = min(own_p90, bound)  # how long its last arrivals take if the server keeps up
-        keep_up = keep_up_rate(result.rows, drain) if result.rows else math.nan
+        keep_up = keep_up_rate(result.rows, drain)
         summary["keep_up_req_s"] = keep_up
         keep_up = rate if not math.isfinite(keep_up) else keep_up
         kept_up[rate] = summary["served_req_s"] >= sweep.saturation * keep_up

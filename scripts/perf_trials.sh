@@ -31,17 +31,9 @@ if [ ! -f "$folder/config.json" ]; then
 fi
 
 serving() {  # the description exists and its server answers /health
-  python3 - "$1" <<'EOF'
-import sys
-import httpx
-from bench.launch import load_server_info
-try:
-    info = load_server_info(sys.argv[1])
-    ok = httpx.get(str(info["base_url"]).removesuffix("/v1") + "/health", timeout=5).status_code == 200
-except (ValueError, httpx.HTTPError):
-    ok = False
-sys.exit(0 if ok else 1)
-EOF
+  python3 -c 'import sys; from bench.launch import healthy, load_server_info
+try: sys.exit(0 if healthy(str(load_server_info(sys.argv[1])["base_url"]), 5.0) else 1)
+except ValueError: sys.exit(1)' "$1"
 }
 
 gpu_of() { if [ "$1" = engine ]; then echo "${ENGINE_GPU:-1}"; else echo "${VLLM_GPU:-0}"; fi; }

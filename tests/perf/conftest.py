@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,15 +21,7 @@ import pytest
 
 from bench.budgets import BudgetCheck, load_budgets
 from bench.client import Endpoint
-from bench.launch import (
-    MAX_MODEL_LEN,
-    ServerProcess,
-    ServerSpec,
-    free_port,
-    load_server_info,
-    target_args,
-    vllm_unavailable_reason,
-)
+from bench.launch import ServerProcess, ServerSpec, load_server_info, vllm_unavailable_reason
 from bench.machine import describe_machine, same_machine
 from bench.probe import first_model, probe
 from bench.report import write_report
@@ -353,10 +344,8 @@ def server(target: str, perf: PerfSettings, recorder: Recorder):
             if target == "vllm" and (reason := vllm_unavailable_reason()):
                 pytest.skip(reason)
             folder = model_dir(perf)
-            server_args = target_args(target, perf.dtype, MAX_MODEL_LEN)
-            spec = ServerSpec(
-                target, folder, free_port(), server_args, env_file=os.environ.get("PERF_VLLM_ENV")
-            )
+            spec = ServerSpec.for_target(target, folder, perf.dtype)
+            server_args = spec.args
             process = ServerProcess(spec, perf.out / f"{target}-server.log")
             process.start(timeout_s=300.0 if target == "vllm" else 180.0)
             base_url, ready_after_s = spec.base_url, process.ready_after_s

@@ -24,6 +24,17 @@ def _stop(pid: int) -> None:
         os.killpg(pid, signal.SIGTERM)
 
 
+def run_perf_tier(args: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """`pytest -m perf tests/perf -q ARGS` in a subprocess, from the repository root."""
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-m", "perf", "tests/perf", "-q", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=timeout_s,
+    )
+
+
 @pytest.fixture
 def served_engine(tiny_model_dir, tmp_path):
     info_path = tmp_path / "engine-server.json"
@@ -72,34 +83,10 @@ def test_serve_leaves_the_server_running_and_describes_it(served_engine):
 def test_perf_tier_measures_a_served_server_records_its_flags_and_leaves_it_up(served_engine, tmp_path):
     info, info_path, _ = served_engine
     out = tmp_path / "perf-out"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-m",
-            "perf",
-            "tests/perf",
-            "--target",
-            "engine",
-            "--server-info",
-            str(info_path),
-            "--model",
-            "tiny",
-            "--profile",
-            "smoke",
-            "--trials",
-            "1",
-            "--perf-out",
-            str(out),
-            "-k",
-            "test_closed_loop and 1",
-            "-q",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=600,
+    done = run_perf_tier(
+        ["--target", "engine", "--server-info", str(info_path), "--model", "tiny", "--profile", "smoke"]
+        + ["--trials", "1", "--perf-out", str(out), "-k", "test_closed_loop and 1"],
+        timeout_s=600,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     summary = json.loads((out / "engine-seed-mix.json").read_text())
@@ -115,26 +102,9 @@ def test_perf_tier_measures_a_served_server_records_its_flags_and_leaves_it_up(s
 def test_server_info_must_match_the_measured_target(tmp_path):
     info_path = tmp_path / "vllm-server.json"
     info_path.write_text(json.dumps({"target": "vllm", "base_url": "http://127.0.0.1:1/v1", "args": []}))
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-m",
-            "perf",
-            "tests/perf",
-            "--target",
-            "engine",
-            "--server-info",
-            str(info_path),
-            "--perf-out",
-            str(tmp_path / "out"),
-            "-q",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=120,
+    done = run_perf_tier(
+        ["--target", "engine", "--server-info", str(info_path), "--perf-out", str(tmp_path / "out")],
+        timeout_s=120,
     )
     assert done.returncode != 0
     assert "--server-info describes ['vllm'], not measured with --target engine" in done.stdout + done.stderr
