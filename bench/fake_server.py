@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
@@ -31,7 +32,8 @@ class FakeServerConfig:
     later and each next chunk `itl_s` after the one before (on an absolute schedule, so sleeps do not
     drift); each chunk carries `tokens_per_chunk` tokens. Every `fail_every`-th request (1-based
     count of arrivals; 0 = never) gets HTTP 500; every `cut_every`-th ends cleanly after half its
-    tokens. `buffered` sends the whole stream in one piece at the end, like a buffering proxy."""
+    tokens. `buffered` sends the whole stream in one piece at the end, like a buffering proxy.
+    `keep_alive_s`: how long an idle connection stays open (uvicorn's default, as vLLM's server)."""
 
     ttft_s: float = 0.0
     itl_s: float = 0.0
@@ -42,6 +44,7 @@ class FakeServerConfig:
     buffered: bool = False
     send_usage: bool = True
     model: str = "fake-model"
+    keep_alive_s: float = 5.0
 
 
 def create_app(config: FakeServerConfig) -> Starlette:
@@ -141,6 +144,14 @@ def _bound_socket(port: int = 0) -> socket.socket:
     return sock
 
 
+def _uvicorn_config(config: FakeServerConfig) -> uvicorn.Config:
+    # uvicorn annotates the keep-alive as int but schedules it with loop.call_later, which takes a float
+    keep_alive: Any = config.keep_alive_s
+    return uvicorn.Config(
+        create_app(config), log_level="warning", lifespan="off", timeout_keep_alive=keep_alive
+    )
+
+
 class FakeServerThread:
     """Context manager: the app under uvicorn in a background thread of this process; `.base_url`."""
 
@@ -148,7 +159,7 @@ class FakeServerThread:
         self.config = config
         self.base_url = ""
         self._sock = _bound_socket()
-        uv_config = uvicorn.Config(create_app(config), log_level="warning", lifespan="off")
+        uv_config = _uvicorn_config(config)
         self._server = uvicorn.Server(uv_config)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True
@@ -217,8 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     sock = _bound_socket(args.port)
     sock.listen(2048)  # connections made before uvicorn is up wait in the backlog instead of failing
     print(f"listening on http://127.0.0.1:{sock.getsockname()[1]}/v1", flush=True)
-    uv_config = uvicorn.Config(create_app(config), log_level="warning", lifespan="off")
-    uvicorn.Server(uv_config).run(sockets=[sock])
+    uvicorn.Server(_uvicorn_config(config)).run(sockets=[sock])
 
 
 if __name__ == "__main__":
