@@ -207,6 +207,16 @@ def summarize(rows: Sequence[RequestRow], slo: Slo = Slo()) -> dict[str, float |
     return summary
 
 
+REJECTION_STATUSES = frozenset({"http_429", "http_503"})
+
+
+def is_rejection(row: RequestRow) -> bool:
+    """Turned away by the server's admission control (429/503: "retry later"), not broken: a server
+    that sheds load past its capacity instead of queueing without bound does so by design, and a
+    sweep's levels above capacity are expected to see it."""
+    return row.status in REJECTION_STATUSES
+
+
 def describe_failures(rows: Sequence[RequestRow]) -> list[str]:
     """One line per error kind among failed rows, with a count and the first error text, so a failed
     level says what failed (`short x2: got 120 of 200 tokens`)."""

@@ -21,7 +21,7 @@ from typing import Any
 from tqdm import tqdm
 
 from bench.client import Endpoint, make_http_client, send_request
-from bench.metrics import RequestRow, Slo, summarize
+from bench.metrics import RequestRow, Slo, describe_failures, is_rejection, summarize
 from bench.selfcheck import ClientLoad, ClientMonitor
 from bench.workload import Arrival, Request, WorkloadSpec, arrival_offsets, make_request
 
@@ -205,6 +205,7 @@ def run_sweep(
         summary["keep_up_req_s"] = keep_up
         keep_up = rate if not math.isfinite(keep_up) else keep_up
         kept_up[rate] = summary["served_req_s"] >= sweep.saturation * keep_up
+        summary["kept_up"] = kept_up[rate]
         if kept_up[rate] and math.isfinite(own_p90):
             latency_kept_up[rate] = own_p90
         passed = [r for r, ok in kept_up.items() if ok]
@@ -224,6 +225,24 @@ def run_sweep(
             rate = (low + high) / 2
     capacity = max((level.summary["served_req_s"] for level in levels), default=0.0)
     return SweepResult(levels, capacity, kept_up[max(kept_up)])
+
+
+def sweep_failures(result: SweepResult) -> tuple[list[str], list[str]]:
+    """(failed, turned away): one line per error kind and level, led by the level's rate.
+
+    Past saturation a server with admission control turns requests away (429/503) instead of
+    queueing without bound; at a level it did not keep up with that is by design ("turned away"),
+    at a level it kept up with, and for any other error, it is a failure."""
+    failed: list[str] = []
+    turned_away: list[str] = []
+    for level in result.levels:
+        shedding = not level.summary["kept_up"]
+        rejected = [row for row in level.rows if shedding and is_rejection(row)]
+        others = [row for row in level.rows if not (shedding and is_rejection(row))]
+        rate = f"rate {level.summary['rate']:g}/s"
+        failed.extend(f"{rate}: {line}" for line in describe_failures(others))
+        turned_away.extend(f"{rate}, past saturation: {line}" for line in describe_failures(rejected))
+    return failed, turned_away
 
 
 def _run_level(

@@ -11,7 +11,7 @@ import pytest
 
 from bench.budgets import check_closed, check_sweep
 from bench.metrics import describe_failures
-from bench.runner import run_closed_loop, run_sweep
+from bench.runner import run_closed_loop, run_sweep, sweep_failures
 from bench.trials import CLOSED_LOOP_KEYS, OPEN_LOOP_KEYS, fold_levels
 
 pytestmark = pytest.mark.perf
@@ -20,14 +20,13 @@ pytestmark = pytest.mark.perf
 def test_open_loop_sweep(benchmark, server, target, perf, recorder):
     trials = []
     failed: list[str] = []
+    shed: list[str] = []
 
     def trial() -> None:
         result = run_sweep(server.endpoint, perf.workload, perf.profile.sweep_load, perf.profile.sweep)
-        failed.extend(
-            f"rate {level.summary['rate']:g}/s: {line}"
-            for level in result.levels
-            for line in describe_failures(level.rows)
-        )
+        failures, turned_away = sweep_failures(result)
+        failed.extend(failures)
+        shed.extend(turned_away)
         levels = [
             {"rate": level.summary["rate"], **{k: level.summary[k] for k in OPEN_LOOP_KEYS}}
             for level in result.levels
@@ -51,6 +50,7 @@ def test_open_loop_sweep(benchmark, server, target, perf, recorder):
         open_loop=summary["open_loop"],
     )
     recorder.records[target].notes.extend(f"failed requests, {line}" for line in failed)
+    recorder.records[target].notes.extend(f"turned away, {line}" for line in shed)
     assert not failed, "requests failed during the sweep:\n" + "\n".join(failed)
     recorder.check(
         target,

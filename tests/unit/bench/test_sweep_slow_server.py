@@ -15,7 +15,7 @@ import pytest
 from bench import runner
 from bench.client import Endpoint
 from bench.metrics import RequestRow, summarize
-from bench.runner import LevelResult, LoadConfig, SweepConfig, run_sweep
+from bench.runner import LevelResult, LoadConfig, SweepConfig, run_sweep, sweep_failures
 from bench.workload import WorkloadSpec, arrival_offsets
 
 STEP_S, PER_SEQUENCE_S, MAX_RUNNING = 0.030, 0.00065, 256
@@ -23,7 +23,8 @@ MEAN_TOKENS = 128.5  # lengths uniform over 1..256
 SUSTAINED_REQ_S = MAX_RUNNING / (STEP_S + PER_SEQUENCE_S * MAX_RUNNING) / MEAN_TOKENS  # ~10.1
 
 
-def serve_level(rate: float, load: LoadConfig, seed: int) -> list[RequestRow]:
+def serve_level(rate: float, load: LoadConfig, seed: int, max_waiting: int | None = None) -> list[RequestRow]:
+    """`max_waiting`: admission control; an arrival that finds that many queued gets HTTP 503."""
     rng = random.Random(seed)
     arrivals = arrival_offsets(rate, n=None, duration_s=load.duration_s, arrival="poisson", seed=seed)
     rows = [
@@ -34,7 +35,11 @@ def serve_level(rate: float, load: LoadConfig, seed: int) -> list[RequestRow]:
     waiting, running, now, nxt = [], [], 0.0, 0
     while nxt < len(rows) or waiting or running:
         while nxt < len(rows) and rows[nxt].scheduled_s <= now:
-            waiting.append(rows[nxt])
+            row = rows[nxt]
+            if max_waiting is not None and len(waiting) >= max_waiting:
+                row.status, row.error, row.done_s = "http_503", "too many pending requests", row.scheduled_s
+            else:
+                waiting.append(row)
             nxt += 1
         while waiting and len(running) < MAX_RUNNING:
             running.append(waiting.pop(0))
@@ -107,3 +112,31 @@ def test_a_fast_server_keeps_short_levels(monkeypatch):
     )
     assert set(loads) == {15.0}
     assert result.capacity_req_s == pytest.approx(50.0, rel=0.1)
+
+
+def test_requests_turned_away_past_saturation_are_not_failures(monkeypatch):
+    """Admission control (503 once 8 wait) sheds load only where the sweep found it saturated; a
+    broken request anywhere is still a failure."""
+
+    def pretend(endpoint, workload, rate, load, clock_zero=None):
+        rows = serve_level(rate, load, seed=int(rate), max_waiting=8)
+        if rate == 1.0:
+            rows[0].status, rows[0].error = "stream_error", "ReadError('')"
+        return LevelResult({"rate": rate, **summarize(rows)}, rows, [])
+
+    monkeypatch.setattr(runner, "run_open_loop", pretend)
+    result = run_sweep(
+        Endpoint("http://unused/v1", "m"),
+        WorkloadSpec(kind="seed-mix"),
+        LoadConfig(duration_s=15.0, progress=False),
+        SweepConfig(start_rate=1.0, max_levels=10, max_level_s=30.0),
+    )
+    failed, turned_away = sweep_failures(result)
+    shed_levels = {level.summary["rate"] for level in result.levels if level.summary["failures"]} - {1.0}
+    assert shed_levels, "the limit is reached above capacity"
+    assert all(
+        not level.summary["kept_up"] for level in result.levels if level.summary["rate"] in shed_levels
+    )
+    assert failed == ["rate 1/s: stream_error x1: ReadError('')"]
+    assert len(turned_away) == len(shed_levels)
+    assert all("past saturation: http_503" in line for line in turned_away)
