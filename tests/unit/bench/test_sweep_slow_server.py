@@ -15,7 +15,7 @@ import pytest
 from bench import runner
 from bench.client import Endpoint
 from bench.metrics import RequestRow, summarize
-from bench.runner import LevelResult, LoadConfig, SweepConfig, run_sweep, sweep_failures
+from bench.runner import LevelResult, LoadConfig, SweepConfig, SweepResult, run_sweep, sweep_failures
 from bench.workload import WorkloadSpec, arrival_offsets
 
 STEP_S, PER_SEQUENCE_S, MAX_RUNNING = 0.030, 0.00065, 256
@@ -57,6 +57,21 @@ def serve_level(rate: float, load: LoadConfig, seed: int, max_waiting: int | Non
     return rows
 
 
+def level_result(rate: float, rows: list[RequestRow]) -> LevelResult:
+    """What run_open_loop returns for these rows (the pretend servers stand in for it)."""
+    return LevelResult({"rate": rate, **summarize(rows)}, rows, [])
+
+
+def sweep(config: SweepConfig) -> SweepResult:
+    """A sweep of 15-s base levels against whichever pretend server replaced run_open_loop."""
+    return run_sweep(
+        Endpoint("http://unused/v1", "m"),
+        WorkloadSpec(kind="seed-mix"),
+        LoadConfig(duration_s=15.0, progress=False),
+        config,
+    )
+
+
 @pytest.fixture
 def pretend_slow_server(monkeypatch):
     loads: list[tuple[float, LoadConfig]] = []
@@ -64,19 +79,14 @@ def pretend_slow_server(monkeypatch):
     def pretend(endpoint, workload, rate, load, clock_zero=None):
         loads.append((rate, load))
         rows = serve_level(rate, load, seed=len(loads))
-        return LevelResult({"rate": rate, **summarize(rows)}, rows, [])
+        return level_result(rate, rows)
 
     monkeypatch.setattr(runner, "run_open_loop", pretend)
     return loads
 
 
 def test_a_slow_server_is_not_called_saturated_and_its_capacity_is_found(pretend_slow_server):
-    result = run_sweep(
-        Endpoint("http://unused/v1", "m"),
-        WorkloadSpec(kind="seed-mix"),
-        LoadConfig(duration_s=15.0, progress=False),
-        SweepConfig(start_rate=1.0, max_levels=10),
-    )
+    result = sweep(SweepConfig(start_rate=1.0, max_levels=10))
     rates = [rate for rate, _ in pretend_slow_server]
     durations = [load.duration_s for _, load in pretend_slow_server]
     assert rates[:4] == [1.0, 2.0, 4.0, 8.0], "1-8 req/s are below what it sustains"
@@ -101,15 +111,10 @@ def test_a_fast_server_keeps_short_levels(monkeypatch):
             row = RequestRow("fast", "open", rate, None, 0, i, False, 64, 16, t, t)
             row.first_token_s, row.done_s, row.output_tokens = free + 0.05, free + 0.5, 16
             rows.append(row)
-        return LevelResult({"rate": rate, **summarize(rows)}, rows, [])
+        return level_result(rate, rows)
 
     monkeypatch.setattr(runner, "run_open_loop", pretend)
-    result = run_sweep(
-        Endpoint("http://unused/v1", "m"),
-        WorkloadSpec(kind="seed-mix"),
-        LoadConfig(duration_s=15.0, progress=False),
-        SweepConfig(start_rate=4.0),
-    )
+    result = sweep(SweepConfig(start_rate=4.0))
     assert set(loads) == {15.0}
     assert result.capacity_req_s == pytest.approx(50.0, rel=0.1)
 
@@ -122,15 +127,10 @@ def test_requests_turned_away_past_saturation_are_not_failures(monkeypatch):
         rows = serve_level(rate, load, seed=int(rate), max_waiting=8)
         if rate == 1.0:
             rows[0].status, rows[0].error = "stream_error", "ReadError('')"
-        return LevelResult({"rate": rate, **summarize(rows)}, rows, [])
+        return level_result(rate, rows)
 
     monkeypatch.setattr(runner, "run_open_loop", pretend)
-    result = run_sweep(
-        Endpoint("http://unused/v1", "m"),
-        WorkloadSpec(kind="seed-mix"),
-        LoadConfig(duration_s=15.0, progress=False),
-        SweepConfig(start_rate=1.0, max_levels=10, max_level_s=30.0),
-    )
+    result = sweep(SweepConfig(start_rate=1.0, max_levels=10, max_level_s=30.0))
     failed, turned_away = sweep_failures(result)
     shed_levels = {level.summary["rate"] for level in result.levels if level.summary["failures"]} - {1.0}
     assert shed_levels, "the limit is reached above capacity"
