@@ -35,10 +35,11 @@ def run_perf_tier(args: list[str], timeout_s: float) -> subprocess.CompletedProc
     )
 
 
-@pytest.fixture
-def served_engine(tiny_model_dir, tmp_path):
-    info_path = tmp_path / "engine-server.json"
-    done = subprocess.run(
+def run_bench_serve(
+    model: Path, log: Path, info: Path, start_timeout_s: int
+) -> subprocess.CompletedProcess[str]:
+    """`python -m bench serve --target engine` on CPU (float32), from the repository root."""
+    return subprocess.run(
         [
             sys.executable,
             "-m",
@@ -47,21 +48,27 @@ def served_engine(tiny_model_dir, tmp_path):
             "--target",
             "engine",
             "--model",
-            str(tiny_model_dir),
+            str(model),
             "--dtype",
             "float32",
             "--log",
-            str(tmp_path / "engine-server.log"),
+            str(log),
             "--info",
-            str(info_path),
+            str(info),
             "--timeout",
-            "120",
+            str(start_timeout_s),
         ],
         capture_output=True,
         text=True,
         cwd=REPO,
-        timeout=180,
+        timeout=start_timeout_s + 60,
     )
+
+
+@pytest.fixture
+def served_engine(tiny_model_dir, tmp_path):
+    info_path = tmp_path / "engine-server.json"
+    done = run_bench_serve(tiny_model_dir, tmp_path / "engine-server.log", info_path, start_timeout_s=120)
     assert done.returncode == 0, done.stderr
     info = load_server_info(info_path)
     yield info, info_path, done.stdout
@@ -120,29 +127,8 @@ def test_server_info_refuses_a_file_not_written_by_serve(tmp_path):
 
 
 def test_serve_reports_a_server_that_cannot_start(tmp_path):
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench",
-            "serve",
-            "--target",
-            "engine",
-            "--model",
-            str(tmp_path / "no-model"),
-            "--dtype",
-            "float32",
-            "--log",
-            str(tmp_path / "log"),
-            "--info",
-            str(tmp_path / "info.json"),
-            "--timeout",
-            "60",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=120,
+    done = run_bench_serve(
+        tmp_path / "no-model", tmp_path / "log", tmp_path / "info.json", start_timeout_s=60
     )
     assert done.returncode == 1
     assert "error: engine server exited" in done.stderr
