@@ -25,6 +25,7 @@ from engine.runner import CPU_DEFAULT_KV_CACHE_MEMORY, ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
+from engine.step_timing import StepTimer
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +139,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.scheduler_config, self.allocator, self.model_config.eos_token_ids)
         self._requests: dict[str, _RequestState] = {}
         self._seq_ids = itertools.count()
+        self.timer = StepTimer()  # per-phase wall time of `step`, read by bench offline and engine.profile
         logger.info(
             "engine ready: %s on %s in %s, %d KV blocks of %d tokens",
             args.model,
@@ -216,15 +218,23 @@ class LLMEngine:
 
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        scheduled = self.scheduler.schedule()
+        timer = self.timer
+        with timer.phase("schedule"):
+            scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
-        batch = self.runner.prepare(
-            scheduled, {s.seq.seq_id: self.allocator.block_table(s.seq.seq_id) for s in scheduled.scheduled}
-        )
-        token_ids = self.runner.execute(batch)
-        self.scheduler.update(scheduled, token_ids)
-        return self._outputs(scheduled)
+        timer.num_steps += 1
+        with timer.phase("prepare"):
+            batch = self.runner.prepare(
+                scheduled,
+                {s.seq.seq_id: self.allocator.block_table(s.seq.seq_id) for s in scheduled.scheduled},
+            )
+        with timer.phase("execute"):
+            token_ids = self.runner.execute(batch)
+        with timer.phase("update"):
+            self.scheduler.update(scheduled, token_ids)
+        with timer.phase("outputs"):
+            return self._outputs(scheduled)
 
     def _outputs(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
         outputs = []

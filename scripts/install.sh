@@ -9,3 +9,9 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q torch==2.13.0
 fi
 "$PY" -m pip install -q -e ".[dev]"
+# Triton: a CUDA machine uses the one its torch came with. On a CPU-only torch, the kernels are tested
+# through Triton's interpreter, and 3.9.0's runs loops whose bound is loaded from memory (3.6.0's not).
+if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; then
+  "$PY" -c "import triton, sys; sys.exit(0 if triton.__version__ == '3.9.0' else 1)" 2>/dev/null \
+    || "$PY" -m pip install -q triton==3.9.0
+fi
