@@ -1,0 +1,237 @@
+"""Micro-benchmark of decode attention and the KV store on CUDA: ms a call, achieved GB/s, and the fraction
+of a measured device-to-device copy ceiling, at qwen2.5-1.5b's shapes (12 query heads, 2 KV heads,
+head_dim 128, block 16, bf16). `python -m engine.kernels.bench_attention [--json PATH] [--sweep]`;
+`--sweep` also times other tile configurations and split counts, to tune decode_attention._default_tile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import triton
+
+from engine.kernels.decode_attention import _paged_decode_attention, choose_num_splits, paged_decode_attention
+from engine.kernels.kv_cache import store_kv
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 12, 2, 128, 16, torch.bfloat16
+DECODE_CASES = [(1, 1024), (1, 4096), (64, 1024), (256, 1024), (256, 2048)]  # (batch, context)
+STORE_CASES = [1, 256, 8192]  # tokens
+# Each timed graph touches at least this many bytes (up to MAX_COPIES calls over distinct blocks), so the
+# 50 MB L2 cannot serve a call from the previous one: as in a real step, where 28 layers take turns.
+BYTES_PER_GRAPH = 256 * 2**20
+MAX_COPIES = 64
+ROUNDS, REPLAYS = 7, 10
+SWEEP_TILES = [(n, w, s) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
+
+
+def time_per_call(calls: list[Callable[[], object]]) -> float:
+    """Milliseconds per call: the calls are captured in one CUDA graph (no launch overhead, as in the
+    engine's decode step), replayed REPLAYS times a round; the median of ROUNDS rounds."""
+    for call in calls:  # compile outside the capture
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(ROUNDS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(REPLAYS):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / (REPLAYS * len(calls)))
+    del graph
+    return statistics.median(times)
+
+
+def copy_ceiling_gbps(device: torch.device) -> float:
+    """Device-to-device copy of 1 GiB: bytes read + written per second, the practical bandwidth ceiling."""
+    source = torch.empty(2**30, dtype=torch.uint8, device=device).fill_(1)
+    target = torch.empty_like(source)
+    times = []
+    for _ in range(ROUNDS + 2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        target.copy_(source)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    milliseconds = statistics.median(times[2:])
+    return 2 * source.numel() / milliseconds / 1e6
+
+
+def decode_setup(
+    batch: int, context: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, list, int]:
+    """(query, kv_cache, per-copy (block_tables, seq_lens), bytes a call moves). The blocks of every copy
+    are drawn from one random permutation of the cache, as after a long run of allocations and frees."""
+    element = torch.finfo(DTYPE).bits // 8
+    kv_bytes = batch * context * NUM_KV_HEADS * HEAD_DIM * element * 2  # K and V
+    blocks_per_seq = triton.cdiv(context, BLOCK_SIZE)
+    copies = max(1, min(MAX_COPIES, BYTES_PER_GRAPH // kv_bytes))
+    num_blocks = copies * batch * blocks_per_seq
+    kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+    order = torch.randperm(num_blocks, device=device).to(torch.int32).view(copies, batch, blocks_per_seq)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    tables = [(order[copy].contiguous(), seq_lens) for copy in range(copies)]
+    query = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+    moved = kv_bytes + 2 * query.numel() * element + batch * blocks_per_seq * 4  # + q, out, block table
+    return query, kv_cache, tables, moved
+
+
+def bench_decode(device: torch.device, num_sms: int, ceiling: float, sweep: bool) -> list[dict]:
+    print(f"\npaged_decode_attention: {NUM_HEADS} heads, {NUM_KV_HEADS} KV heads, head_dim {HEAD_DIM}, bf16")
+    print(f"{'batch':>6} {'context':>8} {'splits':>6} {'ms':>9} {'GB/s':>8} {'of copy':>8}")
+    results = [
+        decode_case(batch, context, device, num_sms, ceiling, sweep) for batch, context in DECODE_CASES
+    ]
+    torch.cuda.empty_cache()
+    return results
+
+
+def decode_case(
+    batch: int, context: int, device: torch.device, num_sms: int, ceiling: float, sweep: bool
+) -> dict:
+    query, kv_cache, tables, moved = decode_setup(batch, context, device)
+    out = torch.empty_like(query)
+    num_splits = choose_num_splits(batch, NUM_KV_HEADS, context, num_sms)
+    scale = HEAD_DIM**-0.5
+
+    def calls_for(splits: int, tile: tuple[int, int, int] | None) -> list[Callable[[], object]]:
+        """One call per copy of the block tables; tile None: the public launcher's own choice."""
+
+        def call(block_tables: torch.Tensor, seq_lens: torch.Tensor) -> Callable[[], object]:
+            if tile is None:
+                return lambda: paged_decode_attention(
+                    query, kv_cache[0], kv_cache[1], block_tables, seq_lens, scale, splits, out=out
+                )
+            block_n, num_warps, num_stages = tile
+            return lambda: _paged_decode_attention(
+                query, kv_cache[0], kv_cache[1], block_tables, seq_lens, scale, splits, out,
+                block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+            )  # fmt: skip
+
+        return [call(block_tables, seq_lens) for block_tables, seq_lens in tables]
+
+    milliseconds = time_per_call(calls_for(num_splits, None))
+    gbps = moved / milliseconds / 1e6
+    print(f"{batch:>6} {context:>8} {num_splits:>6} {milliseconds:>9.4f} {gbps:>8.0f} {gbps / ceiling:>8.1%}")
+    result: dict = {
+        "batch": batch,
+        "context": context,
+        "num_splits": num_splits,
+        "ms": milliseconds,
+        "bytes": moved,
+        "gbps": gbps,
+        "fraction_of_copy": gbps / ceiling,
+    }
+    if sweep:
+        result["sweep"] = sweep_decode(calls_for, num_splits, moved)
+    return result
+
+
+def sweep_decode(calls_for: Callable, num_splits: int, moved: int) -> list[dict]:
+    """Every (BLOCK_N, num_warps, num_stages) in SWEEP_TILES at 1, the chosen and twice the chosen splits."""
+    timed: list[tuple[float, int, tuple[int, int, int]]] = []  # (ms, splits, tile)
+    for splits in sorted({1, num_splits, min(2 * num_splits, 32)}):
+        for tile in SWEEP_TILES:
+            try:
+                timed.append((time_per_call(calls_for(splits, tile)), splits, tile))
+            except Exception as error:  # a tile that does not fit (shared memory, registers)
+                print(f"    splits {splits} tile {tile}: {type(error).__name__}: {str(error)[:80]}")
+    timed.sort()
+    for milliseconds, splits, (block_n, num_warps, num_stages) in timed[:5]:
+        print(
+            f"    sweep: splits {splits:>2} BLOCK_N {block_n:>3} warps {num_warps} stages {num_stages}: "
+            f"{milliseconds:.4f} ms, {moved / milliseconds / 1e6:.0f} GB/s"
+        )
+    return [
+        {"splits": splits, "tile": list(tile), "ms": milliseconds, "gbps": moved / milliseconds / 1e6}
+        for milliseconds, splits, tile in timed
+    ]
+
+
+def bench_store(device: torch.device, ceiling: float) -> list[dict]:
+    print(f"\nstore_kv: {NUM_KV_HEADS} KV heads, head_dim {HEAD_DIM}, bf16, key/value strided views of qkv")
+    print(f"{'tokens':>8} {'ms':>9} {'GB/s':>8} {'of copy':>8}")
+    results = [store_case(num_tokens, device, ceiling) for num_tokens in STORE_CASES]
+    torch.cuda.empty_cache()
+    return results
+
+
+def store_case(num_tokens: int, device: torch.device, ceiling: float) -> dict:
+    element = torch.finfo(DTYPE).bits // 8
+    kv_bytes = num_tokens * NUM_KV_HEADS * HEAD_DIM * element * 2  # K and V, one way
+    copies = max(1, min(MAX_COPIES, BYTES_PER_GRAPH // (2 * kv_bytes)))
+    num_blocks = triton.cdiv(copies * num_tokens, BLOCK_SIZE) + 1
+    kv_cache = torch.zeros(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+    slots = torch.randperm(num_blocks * BLOCK_SIZE, device=device)[: copies * num_tokens].view(copies, -1)
+    qkv = torch.randn(
+        copies, num_tokens, (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, dtype=DTYPE, device=device
+    )
+    key_start = NUM_HEADS * HEAD_DIM
+    value_start = key_start + NUM_KV_HEADS * HEAD_DIM
+
+    def call(copy: int) -> Callable[[], object]:
+        # [num_tokens, num_kv_heads, head_dim] strided views, as the attention layer gets them
+        key = qkv[copy, :, key_start:value_start].view(num_tokens, NUM_KV_HEADS, HEAD_DIM)
+        value = qkv[copy, :, value_start:].view(num_tokens, NUM_KV_HEADS, HEAD_DIM)
+        mapping = slots[copy]
+        return lambda: store_kv(key, value, kv_cache[0], kv_cache[1], mapping)
+
+    milliseconds = time_per_call([call(copy) for copy in range(copies)])
+    moved = 2 * kv_bytes + num_tokens * 8  # read and write K/V, read the slot mapping
+    gbps = moved / milliseconds / 1e6
+    print(f"{num_tokens:>8} {milliseconds:>9.4f} {gbps:>8.0f} {gbps / ceiling:>8.1%}")
+    return {
+        "tokens": num_tokens,
+        "ms": milliseconds,
+        "bytes": moved,
+        "gbps": gbps,
+        "fraction_of_copy": gbps / ceiling,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.kernels.bench_attention", description=__doc__)
+    parser.add_argument("--json", type=Path, help="write the figures to this JSON file")
+    parser.add_argument("--sweep", action="store_true", help="also time other tile configurations and splits")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_attention needs a CUDA device (torch.cuda.is_available() is False); nothing to measure.")
+        return 2
+    device = torch.device("cuda")
+    properties = torch.cuda.get_device_properties(device)
+    ceiling = copy_ceiling_gbps(device)
+    print(
+        f"{properties.name}, {properties.multi_processor_count} SMs; device-to-device copy: {ceiling:.0f} GB/s"
+    )
+    figures = {
+        "device": properties.name,
+        "num_sms": properties.multi_processor_count,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "copy_gbps": ceiling,
+        "decode": bench_decode(device, properties.multi_processor_count, ceiling, args.sweep),
+        "store_kv": bench_store(device, ceiling),
+    }
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(figures, indent=2) + "\n")
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""Store this step's K/V into the paged cache: one launch writes both, one program per token.
+
+The Triton attention backend calls `store_kv` before attention, with the runner's slot mapping. Padding
+rows (CUDA-graph batches padded to a captured size) carry a negative slot and are skipped, so the
+dummy tokens never touch the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    value_ptr,
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache_ptr,
+    slot_mapping_ptr,  # [num_tokens]: block * block_size + offset, < 0 for padding rows
+    stride_key_token,
+    stride_key_head,
+    stride_value_token,
+    stride_value_head,
+    stride_kc_block,
+    stride_kc_slot,
+    stride_kc_head,
+    stride_vc_block,
+    stride_vc_slot,
+    stride_vc_head,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # NUM_KV_HEADS padded to a power of two
+    BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of two
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    # Padding rows (slot < 0) load and store nothing: the mask is false everywhere. The slot test is
+    # broadcast to a tensor first (the interpreter mishandles a scalar & tensor mask).
+    head_valid = (offs_h < NUM_KV_HEADS) & ((slot + tl.zeros([BLOCK_H], tl.int64)) >= 0)  # [BLOCK_H]
+    mask = head_valid[:, None] & (offs_d[None, :] < HEAD_DIM)  # [BLOCK_H, BLOCK_D]
+
+    key = tl.load(
+        key_ptr + token * stride_key_token + offs_h[:, None] * stride_key_head + offs_d[None, :], mask=mask
+    )
+    key_dst = key_cache_ptr + block * stride_kc_block + offset * stride_kc_slot
+    tl.store(key_dst + offs_h[:, None] * stride_kc_head + offs_d[None, :], key, mask=mask)
+
+    value = tl.load(
+        value_ptr + token * stride_value_token + offs_h[:, None] * stride_value_head + offs_d[None, :],
+        mask=mask,
+    )
+    value_dst = value_cache_ptr + block * stride_vc_block + offset * stride_vc_slot
+    tl.store(value_dst + offs_h[:, None] * stride_vc_head + offs_d[None, :], value, mask=mask)
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write key[i], value[i] into slot slot_mapping[i] of key_cache, value_cache (skipped where < 0).
+
+    key, value: [num_tokens, num_kv_heads, head_dim], last dim contiguous (strided views of a qkv output
+        are fine).
+    key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim], same dtype as key, last dim
+        contiguous; may be strided views (kv_cache[0], kv_cache[1]).
+    slot_mapping: [num_tokens] int64 (or int32): block * block_size + offset in the block.
+
+    One launch, no host-device synchronisation: safe under CUDA-graph capture.
+    """
+    _check(key.dim() == 3, f"key must be [num_tokens, num_kv_heads, head_dim], got shape {tuple(key.shape)}")
+    _check(value.shape == key.shape, f"value shape {tuple(value.shape)} differs from key {tuple(key.shape)}")
+    _check(
+        key_cache.dim() == 4,
+        "key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
+        f"got shape {tuple(key_cache.shape)}",
+    )
+    _check(
+        value_cache.shape == key_cache.shape,
+        f"value_cache shape {tuple(value_cache.shape)} differs from key_cache {tuple(key_cache.shape)}",
+    )
+    num_tokens, num_kv_heads, head_dim = key.shape
+    _check(
+        tuple(key_cache.shape[2:]) == (num_kv_heads, head_dim),
+        f"cache [num_kv_heads, head_dim] = {tuple(key_cache.shape[2:])} differs from key's "
+        f"{(num_kv_heads, head_dim)}",
+    )
+    block_size = key_cache.shape[1]
+    _check(block_size > 0, f"block_size must be positive, got {block_size}")
+    for name, tensor in (
+        ("key", key),
+        ("value", value),
+        ("key_cache", key_cache),
+        ("value_cache", value_cache),
+    ):
+        _check(tensor.dtype == key.dtype, f"{name} dtype {tensor.dtype} differs from key's {key.dtype}")
+        _check(
+            tensor.stride(-1) == 1, f"{name} must have a contiguous last dimension, strides {tensor.stride()}"
+        )
+        _check(tensor.device == key.device, f"{name} is on {tensor.device}, key on {key.device}")
+    _check(
+        slot_mapping.shape == (num_tokens,),
+        f"slot_mapping must be [num_tokens ({num_tokens})], got {tuple(slot_mapping.shape)}",
+    )
+    _check(
+        slot_mapping.dtype in _INDEX_DTYPES,
+        f"slot_mapping dtype must be int64 or int32, got {slot_mapping.dtype}",
+    )
+    _check(
+        slot_mapping.device == key.device, f"slot_mapping is on {slot_mapping.device}, key on {key.device}"
+    )
+    _check(slot_mapping.is_contiguous(), "slot_mapping must be contiguous")
+    if num_tokens == 0:
+        return
+
+    block_h = triton.next_power_of_2(num_kv_heads)
+    block_d = triton.next_power_of_2(head_dim)
+    # A token moves num_kv_heads * head_dim elements each way: one warp per 256 of them, 1..4 warps.
+    num_warps = max(1, min(4, block_h * block_d // 256))
+    _store_kv_kernel[(num_tokens,)](
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        BLOCK_SIZE=block_size,
+        num_warps=num_warps,
+    )
