@@ -105,7 +105,8 @@ class EngineArgs:
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
-    enforce_eager: bool = False  # accepted as in vLLM; every step runs eagerly until CUDA graphs land
+    enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
+    attention_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere), torch or triton
 
     @classmethod
     def field_names(cls) -> list[str]:

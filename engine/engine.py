@@ -21,7 +21,7 @@ from engine.block_allocator import BlockAllocator
 from engine.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
-from engine.runner import CPU_DEFAULT_KV_CACHE_MEMORY, ModelRunner
+from engine.runner import CPU_DEFAULT_KV_CACHE_MEMORY, ModelRunner, RunnerConfig
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
@@ -119,11 +119,17 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model_config,
             args.model,
-            self.device,
-            self.dtype,
-            self.max_model_len,
-            args.block_size,
-            args.seed,
+            RunnerConfig(
+                device=self.device,
+                dtype=self.dtype,
+                max_model_len=self.max_model_len,
+                block_size=args.block_size,
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                attention_backend=args.attention_backend,
+                enforce_eager=args.enforce_eager,
+                seed=args.seed,
+            ),
         )
         num_blocks = self._num_kv_blocks()
         if num_blocks * args.block_size < self.max_model_len:
@@ -131,6 +137,7 @@ class LLMEngine:
                 f"the KV cache holds {num_blocks * args.block_size} tokens, fewer than max_model_len {self.max_model_len}: give it more memory or lower max_model_len"
             )
         self.runner.allocate_kv_cache(num_blocks)
+        self.runner.capture_graphs()
         self.cache_config = CacheConfig(block_size=args.block_size, num_blocks=num_blocks)
         self.scheduler_config = SchedulerConfig(
             args.max_num_seqs, self.max_num_batched_tokens, self.max_model_len
@@ -141,12 +148,14 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self.timer = StepTimer()  # per-phase wall time of `step`, read by bench offline and engine.profile
         logger.info(
-            "engine ready: %s on %s in %s, %d KV blocks of %d tokens",
+            "engine ready: %s on %s in %s, %d KV blocks of %d tokens, %s attention, %s",
             args.model,
             self.device,
             self.dtype,
             num_blocks,
             args.block_size,
+            self.runner.backend.name,
+            "CUDA graphs" if self.runner.graphs is not None else "eager",
         )
 
     def _num_kv_blocks(self) -> int:
@@ -156,9 +165,7 @@ class LLMEngine:
         if args.kv_cache_memory is not None:
             return args.kv_cache_memory // self.runner.block_bytes
         if self.device.type == "cuda":
-            return self.runner.measure_num_blocks(
-                args.gpu_memory_utilization, self.max_num_batched_tokens, args.max_num_seqs
-            )
+            return self.runner.measure_num_blocks(args.gpu_memory_utilization)
         return CPU_DEFAULT_KV_CACHE_MEMORY // self.runner.block_bytes
 
     # -- requests --------------------------------------------------------------------------------
@@ -289,5 +296,7 @@ class LLMEngine:
             max_num_batched_tokens=self.max_num_batched_tokens,
             dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device),
+            attention_backend=self.runner.backend.name,
+            cuda_graphs=self.runner.graphs is not None,
         )
         return config

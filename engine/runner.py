@@ -1,69 +1,90 @@
 """The model runner: the only place where scheduling decisions become tensors.
 
-It loads the model, sizes and owns the paged KV cache, turns a SchedulerOutput into flat input tensors
-plus AttentionMetadata (`prepare`), and runs the forward pass and the sampler (`execute`). Within a
-batch, single-token queries (decodes) go first so the attention backend can batch them.
+It loads the model, sizes and owns the paged KV cache, turns a SchedulerOutput into the step's input
+tensors plus AttentionMetadata (`prepare`: numpy into one pinned buffer, one host-to-device copy), and
+runs the forward pass and the sampler (`execute`). Within a batch, single-token queries (decodes) go
+first so the attention backend can batch them. A decode-only batch on CUDA replays a captured graph
+(engine.cuda_graphs) when the backend allows it; other steps run eagerly.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata, forward_context, get_backend
-from engine.attention.metadata import context_slots
 from engine.config import ModelConfig
+from engine.cuda_graphs import CudaGraphRunner
 from engine.loader import iter_weights
 from engine.models import MODEL_CLASSES
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSequence, SchedulerOutput
+from engine.scheduler import SchedulerOutput
+from engine.step_buffers import BlockTableRows, StepBuffers, StepCapacity
 
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes; CPU memory has no natural "fraction" to give
 
 
+@dataclass(frozen=True)
+class RunnerConfig:
+    """What the runner is sized for and how it runs; derived by the engine from EngineArgs."""
+
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
+    seed: int = 0
+
+
 @dataclass
 class Batch:
-    input_ids: torch.Tensor  # [num_tokens]
-    positions: torch.Tensor  # [num_tokens]
+    num_tokens: int
     metadata: AttentionMetadata
-    sample_indices: torch.Tensor  # [num_sampled]: rows of the hidden state to turn into logits
+    num_sampled: int
     sample_order: list[int]  # for each sampled row, its rank among the sampling sequences of the step
     params: list[SamplingParams]
     generators: list[torch.Generator | None]
+    graph_size: int = 0  # > 0: replay the decode graph captured for this (padded) batch size
 
 
 class ModelRunner:
-    def __init__(
-        self,
-        model_config: ModelConfig,
-        model_dir: str,
-        device: torch.device,
-        dtype: torch.dtype,
-        max_model_len: int,
-        block_size: int,
-        seed: int,
-    ) -> None:
+    def __init__(self, model_config: ModelConfig, model_dir: str, config: RunnerConfig) -> None:
         self.config = model_config
-        self.device = device
-        self.dtype = dtype
-        self.block_size = block_size
-        self.max_model_len = max_model_len
-        self.seed = seed
+        self.runner_config = config
+        self.device = config.device
+        self.dtype = config.dtype
+        self.block_size = config.block_size
+        self.max_model_len = config.max_model_len
+        self.seed = config.seed
         self._generators: dict[int, torch.Generator] = {}
+        self.backend = get_backend(config.attention_backend, config.device)
         model_class = MODEL_CLASSES[model_config.model_type]
         with torch.device("meta"):
-            model = model_class(model_config, get_backend("auto"), max_positions=max_model_len)
-        model = model.to(dtype=dtype).to_empty(device=device)
+            model = model_class(model_config, self.backend, max_positions=config.max_model_len)
+        model = model.to(dtype=config.dtype).to_empty(device=config.device)
         if model_config.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight  # to_empty unties shared parameters
         model.load_weights(iter_weights(model_dir))
         model.rotary.init_cache()
         self.model = model.eval()
+        max_blocks = -(-config.max_model_len // config.block_size)
+        # The start-up profile run packs max_num_batched_tokens into sequences of up to max_model_len.
+        max_seqs = max(config.max_num_seqs, -(-config.max_num_batched_tokens // config.max_model_len))
+        self.buffers = StepBuffers(
+            StepCapacity(config.max_num_batched_tokens, max_seqs, max_blocks), config.device
+        )
+        self.tables = BlockTableRows(max_seqs, max_blocks)
+        self.graphs: CudaGraphRunner | None = None
 
     # -- KV cache ----------------------------------------------------------------------------
     @property
@@ -76,9 +97,7 @@ class ModelRunner:
             [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.config.num_layers)]
         )
 
-    def measure_num_blocks(
-        self, gpu_memory_utilization: float, max_num_batched_tokens: int, max_num_seqs: int
-    ) -> int:
+    def measure_num_blocks(self, gpu_memory_utilization: float) -> int:
         """Size the cache as vLLM does: run the largest batch once, read peak memory, give the rest to KV.
 
         The budget is gpu_memory_utilization x the device's total memory, for weights, activations
@@ -86,7 +105,7 @@ class ModelRunner:
         """
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        self.profile_run(max_num_batched_tokens, max_num_seqs)
+        self.profile_run()
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
@@ -106,102 +125,145 @@ class ModelRunner:
         return available // self.block_bytes
 
     @torch.inference_mode()
-    def profile_run(self, num_tokens: int, num_seqs: int) -> None:
+    def profile_run(self) -> None:
         """One forward pass over the largest batch: sequences of up to max_model_len tokens, in a scratch cache."""
-        lengths = []
-        left = num_tokens
+        config = self.runner_config
+        lengths, left = [], config.max_num_batched_tokens
         while left > 0:
             lengths.append(min(left, self.max_model_len))
             left -= lengths[-1]
-        blocks = sum(-(-n // self.block_size) for n in lengths)
-        self.allocate_kv_cache(blocks)
-        block_tables, start = [], 0
-        for n in lengths:
-            count = -(-n // self.block_size)
-            block_tables.append(list(range(start, start + count)))
-            start += count
-        meta, positions = self._metadata([0] * len(lengths), lengths, block_tables)
-        input_ids = torch.randint(0, self.config.vocab_size, (num_tokens,), device=self.device)
+        counts = [-(-n // self.block_size) for n in lengths]
+        self.allocate_kv_cache(sum(counts))
+        rows = np.zeros((len(lengths), self.buffers.capacity.max_blocks_per_seq), dtype=np.int32)
+        first = 0
+        for i, count in enumerate(counts):
+            rows[i, :count] = np.arange(first, first + count)
+            first += count
+        num_tokens = sum(lengths)
+        ids = np.random.default_rng(0).integers(0, self.config.vocab_size, num_tokens)
+        meta = self._fill(np.zeros(len(lengths), np.int64), np.array(lengths), ids, rows)
+        self.backend.prepare(meta)
         with forward_context(meta):
-            hidden = self.model(input_ids, positions)
-        rows = hidden[torch.arange(min(num_seqs, num_tokens), device=self.device)]
-        self.model.compute_logits(rows).softmax(dim=-1)
+            hidden = self.model(self.buffers.input_ids[:num_tokens], self.buffers.positions[:num_tokens])
+        sampled = hidden[: min(config.max_num_seqs, num_tokens)]
+        self.model.compute_logits(sampled).softmax(dim=-1)
         self.model.bind_kv_caches([torch.empty(0)] * self.config.num_layers)
-        del hidden, rows
+        del hidden, sampled
+
+    def capture_graphs(self) -> None:
+        """Capture the decode graphs (once the KV cache is bound); a no-op where graphs do not apply."""
+        config = self.runner_config
+        if config.enforce_eager or self.device.type != "cuda" or not self.backend.supports_cuda_graphs:
+            return
+        start = time.perf_counter()
+        self.graphs = CudaGraphRunner(self.model, self.buffers, self._graph_metadata, config.max_num_seqs)
+        self.graphs.capture()
+        logger.info(
+            "captured %d decode CUDA graphs (batch 1..%d) in %.1f s",
+            len(self.graphs.sizes),
+            self.graphs.sizes[-1],
+            time.perf_counter() - start,
+        )
+
+    def _graph_metadata(self, batch_size: int) -> AttentionMetadata:
+        """Decode-only metadata over the first batch_size rows of the step buffers, for capture."""
+        buffers = self.buffers
+        meta = AttentionMetadata(
+            slot_mapping=buffers.slot_mapping[:batch_size],
+            block_tables=buffers.block_tables[:batch_size],
+            seq_lens=buffers.seq_lens[:batch_size],
+            seq_lens_cpu=[self.max_model_len] * batch_size,
+            query_start_loc_cpu=list(range(batch_size + 1)),
+            num_decodes=batch_size,
+            block_size=self.block_size,
+            max_decode_len=self.max_model_len,  # a graph serves every context length
+        )
+        self.backend.prepare(meta)
+        return meta
 
     # -- one step ------------------------------------------------------------------------------
-    def _metadata(
-        self, starts: list[int], query_lens: list[int], block_tables: list[list[int]]
-    ) -> tuple[AttentionMetadata, torch.Tensor]:
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start = [0]
-        for start, n, table in zip(starts, query_lens, block_tables, strict=True):
-            span = range(start, start + n)
-            positions.extend(span)
-            slots.extend(table[p // self.block_size] * self.block_size + p % self.block_size for p in span)
-            query_start.append(query_start[-1] + n)
-        width = max(len(t) for t in block_tables)
-        padded = [t + [0] * (width - len(t)) for t in block_tables]
-        seq_lens = [s + n for s, n in zip(starts, query_lens, strict=True)]
-        num_decodes = 0
-        while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
-            num_decodes += 1
+    def _fill(
+        self, starts: np.ndarray, query_lens: np.ndarray, token_ids: np.ndarray, table_rows: np.ndarray
+    ) -> AttentionMetadata:
+        """Write a step into the host buffers and build its metadata (before upload).
 
-        def tensor(values: list) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
-
-        block_table_tensor = tensor(padded)
-        decode_slots = decode_mask = None
-        if num_decodes:
-            max_len = max(seq_lens[:num_decodes])
-            decode_slots = context_slots(block_table_tensor[:num_decodes], max_len, self.block_size)
-            decode_mask = (
-                torch.arange(max_len, device=self.device)[None, :] < tensor(seq_lens[:num_decodes])[:, None]
-            )
-        meta = AttentionMetadata(
-            slot_mapping=tensor(slots),
-            block_tables=block_table_tensor,
-            seq_lens_cpu=seq_lens,
-            query_start_loc_cpu=query_start,
-            query_lens_cpu=list(query_lens),
+        starts[i]: tokens already cached for sequence i; query_lens[i]: tokens computed now;
+        token_ids: the step's tokens, flattened; table_rows[i]: sequence i's block table row.
+        """
+        buffers = self.buffers
+        n, num_tokens = len(starts), int(query_lens.sum())
+        query_start = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start[1:])
+        # Position of token t of sequence i: starts[i] + (t - query_start[i]).
+        seq_of_token = np.repeat(np.arange(n), query_lens)
+        positions = np.arange(num_tokens) + np.repeat(starts - query_start[:-1], query_lens)
+        buffers.host_input_ids[:num_tokens] = token_ids
+        buffers.host_positions[:num_tokens] = positions
+        blocks = table_rows[seq_of_token, positions // self.block_size]
+        buffers.host_slot_mapping[:num_tokens] = blocks * self.block_size + positions % self.block_size
+        seq_lens = starts + query_lens
+        buffers.host_seq_lens[:n] = seq_lens
+        buffers.host_block_tables[:n] = table_rows
+        num_decodes = int(np.argmax(query_lens != 1)) if (query_lens != 1).any() else n
+        return AttentionMetadata(
+            slot_mapping=buffers.slot_mapping[:num_tokens],
+            block_tables=buffers.block_tables[:n],
+            seq_lens=buffers.seq_lens[:n],
+            seq_lens_cpu=seq_lens.tolist(),
+            query_start_loc_cpu=query_start.tolist(),
             num_decodes=num_decodes,
             block_size=self.block_size,
-            decode_slots=decode_slots,
-            decode_mask=decode_mask,
+            max_decode_len=int(seq_lens[:num_decodes].max()) if num_decodes else 0,
         )
-        return meta, tensor(positions)
 
     def prepare(self, out: SchedulerOutput, block_tables: dict[int, list[int]]) -> Batch:
         """block_tables: each scheduled sequence's table (by seq_id), already grown for this step."""
-        items: list[ScheduledSequence] = sorted(out.scheduled, key=lambda item: item.num_tokens != 1)
-        sampling_rank = {id(item): rank for rank, item in enumerate(i for i in out.scheduled if i.samples)}
-        input_ids: list[int] = []
+        for seq in out.preempted:  # their blocks were freed: the cached rows are stale
+            self.tables.drop(seq.seq_id)
+        items = sorted(out.scheduled, key=lambda item: item.num_tokens != 1)
+        n = len(items)
+        starts = np.fromiter((item.start for item in items), dtype=np.int64, count=n)
+        query_lens = np.fromiter((item.num_tokens for item in items), dtype=np.int64, count=n)
+        token_ids: list[int] = []
         for item in items:
-            input_ids.extend(item.seq.token_slice(item.start, item.start + item.num_tokens))
-        meta, positions = self._metadata(
-            [i.start for i in items],
-            [i.num_tokens for i in items],
-            [block_tables[i.seq.seq_id] for i in items],
-        )
-        sample_indices, sample_order, params, generators = [], [], [], []
+            token_ids += item.seq.token_slice(item.start, item.start + item.num_tokens)
+        rows = [self.tables.row(item.seq.seq_id, block_tables[item.seq.seq_id]) for item in items]
+        meta = self._fill(starts, query_lens, np.asarray(token_ids), self.tables.array[rows])
+        sampling_rank = {id(item): rank for rank, item in enumerate(i for i in out.scheduled if i.samples)}
+        sample_rows, sample_order, params, generators = [], [], [], []
         end = 0
         for item in items:
             end += item.num_tokens
             if item.samples:
-                sample_indices.append(end - 1)
+                sample_rows.append(end - 1)
                 sample_order.append(sampling_rank[id(item)])
                 params.append(item.seq.params)
                 generators.append(self._generator(item.seq.seq_id, item.seq.params))
+        self.buffers.host_sample_indices[: len(sample_rows)] = sample_rows
+        num_tokens = len(token_ids)
+        graph_size = 0
+        if self.graphs is not None and meta.num_decodes == n:
+            graph_size = self.graphs.padded_size(n)
+            if graph_size:
+                self._pad(n, graph_size)
+        self.buffers.upload(max(n, graph_size))
         return Batch(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64).to(self.device, non_blocking=True),
-            positions=positions,
+            num_tokens=num_tokens,
             metadata=meta,
-            sample_indices=torch.tensor(sample_indices, dtype=torch.int64).to(self.device, non_blocking=True),
+            num_sampled=len(sample_rows),
             sample_order=sample_order,
             params=params,
             generators=generators,
+            graph_size=graph_size,
         )
+
+    def _pad(self, n: int, size: int) -> None:
+        """Rows n..size-1 of a padded decode batch: no context, KV write skipped."""
+        buffers = self.buffers
+        buffers.host_input_ids[n:size] = 0
+        buffers.host_positions[n:size] = 0
+        buffers.host_slot_mapping[n:size] = -1
+        buffers.host_seq_lens[n:size] = 0
 
     def _generator(self, seq_id: int, params: SamplingParams) -> torch.Generator | None:
         if params.greedy:
@@ -218,15 +280,24 @@ class ModelRunner:
 
     def release(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
+        self.tables.drop(seq_id)
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> list[int]:
         """Forward + sampling; the tokens come back in the order the scheduler listed the sampling sequences."""
-        with forward_context(batch.metadata):
-            hidden = self.model(batch.input_ids, batch.positions)
+        buffers = self.buffers
+        if batch.graph_size:
+            assert self.graphs is not None
+            hidden = self.graphs.replay(batch.graph_size)
+        else:
+            self.backend.prepare(batch.metadata)
+            with forward_context(batch.metadata):
+                hidden = self.model(
+                    buffers.input_ids[: batch.num_tokens], buffers.positions[: batch.num_tokens]
+                )
         if not batch.params:
             return []
-        logits = self.model.compute_logits(hidden[batch.sample_indices])
+        logits = self.model.compute_logits(hidden[buffers.sample_indices[: batch.num_sampled]])
         tokens = sample(logits, batch.params, batch.generators)
         ordered = [0] * len(tokens)
         for rank, token in zip(batch.sample_order, tokens, strict=True):

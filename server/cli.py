@@ -20,6 +20,7 @@ from types import FrameType
 import uvicorn
 
 from engine import EngineArgs, LLMEngine
+from engine.attention import BACKEND_NAMES
 from server.app import create_app
 from server.async_engine import AsyncEngine
 
@@ -80,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
         engine_group.add_argument(flag, dest=field, type=kind, default=None, help=help_text)
     engine_group.add_argument(
         "--enforce-eager", dest="enforce_eager", action="store_true", default=None, help="no CUDA graphs"
+    )
+    engine_group.add_argument(
+        "--attention-backend",
+        dest="attention_backend",
+        choices=BACKEND_NAMES,
+        default=None,
+        help="auto (triton on CUDA, torch elsewhere), torch (the reference) or triton",
     )
     return parser
 

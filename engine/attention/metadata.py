@@ -1,8 +1,10 @@
 """Per-step attention metadata and the context that carries it through one forward pass.
 
-The runner builds one AttentionMetadata per step and sets it for the duration of `model.forward`
-(`forward_context`), so the model's signature stays `forward(input_ids, positions)` and only the
-attention layers read it.
+The runner fills one AttentionMetadata per step from its persistent step buffers (device tensors of
+fixed capacity, so a CUDA graph captured over them replays with new contents) and sets it for the
+duration of `model.forward` (`forward_context`), so the model's signature stays
+`forward(input_ids, positions)` and only the attention layers read it. Each backend adds what it needs
+once per step in its `prepare(meta)` (for example the torch reference's gather indices).
 """
 
 from __future__ import annotations
@@ -20,35 +22,36 @@ class AttentionMetadata:
     """Where this step's tokens sit in the batch and in the paged cache.
 
     Tokens of all sequences are flattened into one dimension (num_tokens). Sequence i owns the tokens
-    query_start_loc_cpu[i]:query_start_loc_cpu[i+1], and after this step its context holds seq_lens_cpu[i]
-    tokens.
+    query_start_loc_cpu[i]:query_start_loc_cpu[i+1], and after this step its context holds seq_lens[i]
+    tokens. Sequences 0..num_decodes-1 have exactly one query token each (decodes come first). Rows of
+    a padded batch (CUDA graphs) have seq_len 0 and slot -1: attention writes and reads nothing there.
     """
 
-    slot_mapping: torch.Tensor  # [num_tokens] int64: block * block_size + offset for each new token
-    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int64, padded with 0
-    seq_lens_cpu: list[int]  # context length after this step
-    query_start_loc_cpu: list[int]
-    query_lens_cpu: list[int]
-    num_decodes: int  # sequences 0..num_decodes-1 have exactly one query token each
+    slot_mapping: torch.Tensor  # [num_tokens] int32: block * block_size + offset of each new token; -1 skips
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32; entries past a table's end are junk
+    seq_lens: torch.Tensor  # [num_seqs] int32 on the device: context length after this step
+    seq_lens_cpu: list[int]
+    query_start_loc_cpu: list[int]  # [num_seqs + 1]
+    num_decodes: int
     block_size: int
-    # For the decodes, built once per step and shared by every layer:
-    decode_slots: torch.Tensor | None = (
-        None  # [num_decodes, max_decode_len] cache slot of each context position
-    )
-    decode_mask: torch.Tensor | None = (
-        None  # [num_decodes, max_decode_len] bool, True where a position exists
-    )
+    max_decode_len: int = 0  # longest decode context this step (host value; the torch backend's gather width)
+    # Filled by the backend's prepare(), once per step, shared by every layer:
+    decode_slots: torch.Tensor | None = None  # torch: [num_decodes, max_decode_len] cache slot per position
+    decode_mask: torch.Tensor | None = None  # torch: [num_decodes, max_decode_len] True where it exists
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
 
+    def query_len(self, i: int) -> int:
+        return self.query_start_loc_cpu[i + 1] - self.query_start_loc_cpu[i]
+
 
 def context_slots(block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
-    """[batch, length] cache slot of each context position, from block tables [batch, max_blocks]."""
+    """[batch, length] int64 cache slot of each context position, from block tables [batch, max_blocks]."""
     num_blocks = -(-length // block_size)
     offsets = torch.arange(block_size, device=block_tables.device)
-    return (block_tables[:, :num_blocks, None] * block_size + offsets).flatten(1)[:, :length]
+    return (block_tables[:, :num_blocks, None].long() * block_size + offsets).flatten(1)[:, :length]
 
 
 _current: contextvars.ContextVar[AttentionMetadata | None] = contextvars.ContextVar(

@@ -1,0 +1,107 @@
+"""The runner's per-step input tensors: one int32 host buffer, pinned on CUDA, and its device twin.
+
+Both are carved into segments at fixed offsets (input ids, positions, KV slots, context lengths,
+sampled rows, block tables), sized for the largest step. The runner writes a step with numpy into the
+host views and sends it with one copy; the device views keep their addresses from step to step, which
+is what lets a CUDA graph captured over them replay with new contents.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class StepCapacity:
+    max_tokens: int  # max_num_batched_tokens
+    max_seqs: int  # max_num_seqs (or more, for the start-up profile run)
+    max_blocks_per_seq: int  # ceil(max_model_len / block_size)
+
+
+# Segment order: the small per-sequence ones first, block tables last, so a step's upload can stop
+# at the end of the rows it used.
+_SEGMENTS = ("seq_lens", "sample_indices", "input_ids", "positions", "slot_mapping", "block_tables")
+
+
+class StepBuffers:
+    """Host views (`host_*`, numpy) the runner fills and device views (`*`, torch) the model reads."""
+
+    def __init__(self, capacity: StepCapacity, device: torch.device) -> None:
+        self.capacity = capacity
+        t, s, b = capacity.max_tokens, capacity.max_seqs, capacity.max_blocks_per_seq
+        sizes = {
+            "seq_lens": s,
+            "sample_indices": s,
+            "input_ids": t,
+            "positions": t,
+            "slot_mapping": t,
+            "block_tables": s * b,
+        }
+        self._offsets: dict[str, int] = {}
+        total = 0
+        for name in _SEGMENTS:
+            self._offsets[name] = total
+            total += sizes[name]
+        pin = device.type == "cuda"
+        self.host = torch.zeros(total, dtype=torch.int32, pin_memory=pin)
+        self.device_buffer = torch.zeros(total, dtype=torch.int32, device=device) if pin else self.host
+        host_np = self.host.numpy()
+        view = {name: slice(self._offsets[name], self._offsets[name] + sizes[name]) for name in _SEGMENTS}
+        self.host_seq_lens = host_np[view["seq_lens"]]
+        self.host_sample_indices = host_np[view["sample_indices"]]
+        self.host_input_ids = host_np[view["input_ids"]]
+        self.host_positions = host_np[view["positions"]]
+        self.host_slot_mapping = host_np[view["slot_mapping"]]
+        self.host_block_tables = host_np[view["block_tables"]].reshape(s, b)
+        dev = self.device_buffer
+        self.seq_lens = dev[view["seq_lens"]]
+        self.sample_indices = dev[view["sample_indices"]]
+        self.input_ids = dev[view["input_ids"]]
+        self.positions = dev[view["positions"]]
+        self.slot_mapping = dev[view["slot_mapping"]]
+        self.block_tables = dev[view["block_tables"]].view(s, b)
+
+    def upload(self, num_table_rows: int) -> None:
+        """Send the host buffer to the device, up to the end of the first num_table_rows table rows."""
+        if self.device_buffer is self.host:
+            return
+        end = self._offsets["block_tables"] + num_table_rows * self.capacity.max_blocks_per_seq
+        self.device_buffer[:end].copy_(self.host[:end], non_blocking=True)
+
+
+class BlockTableRows:
+    """Each running sequence's block table as a numpy row, kept up to date by difference.
+
+    Tables only grow while a sequence runs, so a step copies just the new block ids. A sequence that
+    is preempted, finished or aborted must be dropped (its blocks are freed and may come back in
+    another order); a table shorter than its cached row is taken as a new table.
+    """
+
+    def __init__(self, max_rows: int, max_blocks_per_seq: int) -> None:
+        self.array = np.zeros((max_rows, max_blocks_per_seq), dtype=np.int32)
+        self._free_rows = list(range(max_rows - 1, -1, -1))
+        self._rows: dict[int, tuple[int, int]] = {}  # seq_id -> (row, blocks copied)
+
+    def row(self, seq_id: int, table: list[int]) -> int:
+        row, copied = self._rows.get(seq_id, (-1, 0))
+        if row < 0 or len(table) < copied:
+            if row < 0:
+                row = self._free_rows.pop()
+            copied = 0
+        if len(table) > copied:
+            self.array[row, copied : len(table)] = table[copied:]
+            self._rows[seq_id] = (row, len(table))
+        elif seq_id not in self._rows:
+            self._rows[seq_id] = (row, 0)
+        return row
+
+    def drop(self, seq_id: int) -> None:
+        entry = self._rows.pop(seq_id, None)
+        if entry is not None:
+            self._free_rows.append(entry[0])
+
+    def __len__(self) -> int:
+        return len(self._rows)

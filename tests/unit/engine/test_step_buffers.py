@@ -1,0 +1,94 @@
+"""The runner's step inputs: block-table rows kept by difference, the graph batch ladder, and one
+step's buffers (positions, slots, context lengths) for a mixed batch, checked by hand."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.cuda_graphs import batch_size_ladder
+from engine.step_buffers import BlockTableRows, StepBuffers, StepCapacity
+
+
+@given(st.lists(st.tuples(st.integers(0, 5), st.sampled_from(["grow", "drop", "renew"])), max_size=60))
+@settings(max_examples=200, deadline=None)
+def test_rows_follow_the_tables_they_are_given(ops):
+    rows = BlockTableRows(max_rows=6, max_blocks_per_seq=8)
+    tables: dict[int, list[int]] = {}
+    next_block = 0
+    for seq_id, op in ops:
+        if op == "drop":
+            rows.drop(seq_id)
+            tables.pop(seq_id, None)
+            continue
+        table = tables.setdefault(seq_id, [])
+        if op == "renew":  # preempted and re-admitted: new blocks, dropped in between
+            rows.drop(seq_id)
+            table.clear()
+        if len(table) < 8:
+            table.append(next_block)
+            next_block += 1
+        row = rows.row(seq_id, table)
+        assert rows.array[row, : len(table)].tolist() == table
+    assert len(rows) == len(tables)
+    used = [rows.row(seq_id, table) for seq_id, table in tables.items()]
+    assert len(set(used)) == len(used), "two sequences share a row"
+
+
+def test_a_shorter_table_is_taken_as_new():
+    rows = BlockTableRows(max_rows=2, max_blocks_per_seq=4)
+    row = rows.row(7, [3, 4, 5])
+    assert rows.row(7, [9]) == row
+    assert rows.array[row, :1].tolist() == [9]
+
+
+@pytest.mark.parametrize(
+    ("max_batch", "expected_head", "expected_tail"),
+    [(1, [1], [1]), (3, [1, 2, 3], [3]), (256, [1, 2, 4, 8, 16, 24], [224, 240, 256]), (100, [1], [96, 100])],
+)
+def test_ladder(max_batch, expected_head, expected_tail):
+    sizes = batch_size_ladder(max_batch)
+    assert sizes[: len(expected_head)] == expected_head
+    assert sizes[-len(expected_tail) :] == expected_tail
+    assert sizes == sorted(set(sizes)) and sizes[-1] == max_batch
+
+
+def test_buffers_share_one_host_block_and_views_do_not_overlap():
+    buffers = StepBuffers(StepCapacity(max_tokens=16, max_seqs=4, max_blocks_per_seq=3), torch.device("cpu"))
+    views = [
+        buffers.host_seq_lens,
+        buffers.host_sample_indices,
+        buffers.host_input_ids,
+        buffers.host_positions,
+        buffers.host_slot_mapping,
+        buffers.host_block_tables,
+    ]
+    for index, view in enumerate(views):
+        view[...] = index + 1
+    host = buffers.host.numpy()
+    assert sorted(np.unique(host).tolist()) == [1, 2, 3, 4, 5, 6]
+    assert host.size == sum(v.size for v in views)
+    assert buffers.block_tables.shape == (4, 3)
+    assert int(buffers.slot_mapping[0]) == 5  # device views read the same memory on CPU
+
+
+def test_fill_writes_a_mixed_step(tiny_model_dir):
+    from engine import EngineArgs, LLMEngine
+
+    engine = LLMEngine(EngineArgs(model=str(tiny_model_dir), device="cpu", block_size=4, max_model_len=64))
+    runner = engine.runner
+    rows = np.zeros((2, runner.buffers.capacity.max_blocks_per_seq), dtype=np.int32)
+    rows[0, :2] = [2, 0]  # a decode at position 5: block index 1 -> block 0, offset 1
+    rows[1, :1] = [1]  # a prefill chunk of 3 tokens from position 0: block 1
+    meta = runner._fill(np.array([5, 0]), np.array([1, 3]), np.array([11, 12, 13, 14]), rows)
+    buffers = runner.buffers
+    assert buffers.host_input_ids[:4].tolist() == [11, 12, 13, 14]
+    assert buffers.host_positions[:4].tolist() == [5, 0, 1, 2]
+    assert buffers.host_slot_mapping[:4].tolist() == [1, 4, 5, 6]
+    assert buffers.host_seq_lens[:2].tolist() == [6, 3]
+    assert (meta.num_decodes, meta.max_decode_len, meta.seq_lens_cpu) == (1, 6, [6, 3])
+    assert meta.query_start_loc_cpu == [0, 1, 4]
+    assert meta.block_tables[:, :2].tolist() == [[2, 0], [1, 0]]
