@@ -67,3 +67,26 @@ def test_qwen25_15b_preset_generates_a_batch(tmp_path_factory):
     print(
         f"qwen2.5-1.5b bf16: 32 requests x 64 tokens in {elapsed:.2f} s = {32 * 64 / elapsed:.0f} output tok/s; {llm.engine.cache_config.num_blocks} KV blocks"
     )
+
+
+def test_decode_graphs_replay_what_eager_steps_compute(tiny_model_dir):
+    """float32, so graph replay (padded batches, captured kernels) and eager steps must pick the same tokens."""
+    rng = random.Random(2)
+    prompts = [[rng.randrange(1000, 30000) for _ in range(rng.randrange(1, 300))] for _ in range(37)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    results = {}
+    for eager in (False, True):
+        llm = LLM(
+            str(tiny_model_dir), device="cuda", dtype="float32", max_model_len=1024, enforce_eager=eager
+        )
+        assert (llm.engine.runner.graphs is None) == eager
+        results[eager] = [o.token_ids for o in llm.generate(prompts, params)]
+        del llm
+        torch.cuda.empty_cache()
+    assert results[False] == results[True]
+
+
+def test_triton_is_the_default_backend_on_cuda(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), device="cuda", max_model_len=512)
+    assert llm.engine.runner.backend.name == "triton"
+    assert llm.engine.config_dict()["cuda_graphs"] is True

@@ -1,0 +1,67 @@
+"""Paged attention through the Triton kernels: the CUDA fast path, graph-safe for decode-only steps.
+
+This step's K/V go into the cache with one kernel (engine.kernels.kv_cache), decodes attend in place
+through the block table with the flash-decoding kernel (engine.kernels.decode_attention), and prefill
+chunks take the torch reference's SDPA path until a varlen prefill kernel replaces it. On CPU the same
+kernels run through Triton's interpreter, which is how the tests check this backend without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.kernels.decode_attention import choose_num_splits, paged_decode_attention
+from engine.kernels.kv_cache import store_kv
+
+
+@functools.cache
+def _num_sms(device_index: int | None) -> int:
+    if not torch.cuda.is_available():
+        return 132
+    return torch.cuda.get_device_properties(device_index or 0).multi_processor_count
+
+
+class TritonAttentionBackend:
+    name = "triton"
+    supports_cuda_graphs = True
+
+    def __init__(self) -> None:
+        self._prefill = TorchAttentionBackend()
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Nothing to build: the kernels read the step buffers directly; the split count is per layer."""
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        store_kv(key, value, kv_cache[0], kv_cache[1], meta.slot_mapping)
+        out = torch.empty_like(query)
+        decodes = meta.num_decodes
+        if decodes:
+            # A pure function of the batch size and the longest context: fixed per captured graph.
+            num_splits = choose_num_splits(
+                decodes, key.shape[1], meta.max_decode_len, _num_sms(query.device.index)
+            )
+            paged_decode_attention(
+                query[:decodes],
+                kv_cache[0],
+                kv_cache[1],
+                meta.block_tables,
+                meta.seq_lens,
+                scale,
+                num_splits,
+                out=out[:decodes],
+            )
+        if decodes < meta.num_seqs:
+            self._prefill.prefill(query, key, value, kv_cache, meta, scale, out)
+        return out
