@@ -26,6 +26,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _free_gpu_memory_between_tests():
+    """An engine sizes its KV cache from free GPU memory: one left by the previous test (not yet
+    collected) would leave it none."""
+    yield
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def _synthetic(tmp_path_factory: pytest.TempPathFactory, preset: str, **kwargs) -> Path:
     from engine.synthetic import write_checkpoint
 

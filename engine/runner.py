@@ -69,8 +69,13 @@ class ModelRunner:
         self._generators: dict[int, torch.Generator] = {}
         self.backend = get_backend(config.attention_backend, config.device)
         model_class = MODEL_CLASSES[model_config.model_type]
+        # The Triton backend brings the fused elementwise kernels with it (one fast path); the torch
+        # backend keeps the whole model on its torch reference.
+        kernels = self.backend.name == "triton"
         with torch.device("meta"):
-            model = model_class(model_config, self.backend, max_positions=config.max_model_len)
+            model = model_class(
+                model_config, self.backend, max_positions=config.max_model_len, kernels=kernels
+            )
         model = model.to(dtype=config.dtype).to_empty(device=config.device)
         if model_config.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight  # to_empty unties shared parameters

@@ -89,9 +89,3 @@ def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torc
         num_warps=4,
     )
     return out
-
-
-def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
-    """The model's torch MLP activation: F.silu(gate) * up in the dtype."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up

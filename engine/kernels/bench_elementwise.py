@@ -17,9 +17,16 @@ from dataclasses import asdict, dataclass
 import torch
 import triton
 
-from engine.kernels.activation import silu_and_mul, silu_and_mul_reference
-from engine.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_reference, rms_norm, rms_norm_reference
-from engine.kernels.rotary import apply_rotary, reference_cos_sin, rotate_reference
+from engine.kernels.activation import silu_and_mul
+from engine.kernels.norm import fused_add_rms_norm, rms_norm
+from engine.kernels.reference import (
+    fused_add_rms_norm_reference,
+    reference_cos_sin,
+    rms_norm_reference,
+    rotate_reference,
+    silu_and_mul_reference,
+)
+from engine.kernels.rotary import apply_rotary
 
 # qwen2.5-1.5b
 HIDDEN = 1536

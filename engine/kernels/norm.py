@@ -141,18 +141,3 @@ def fused_add_rms_norm(
         raise ValueError("x and residual must be distinct buffers (both are written in place)")
     _launch(x, residual, weight, eps, x)
     return x, residual
-
-
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The torch RMSNorm of engine/models/llama.py (transformers' order of roundings)."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
-
-
-def fused_add_rms_norm_reference(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Out of place: (rms_norm_reference(residual + x), residual + x), the sum in the dtype."""
-    new_residual = residual + x
-    return rms_norm_reference(new_residual, weight, eps), new_residual

@@ -159,34 +159,3 @@ def apply_rotary(
         BLOCK_KEY_HEADS=min(triton.next_power_of_2(max(key.shape[1], 1)), max_heads),
         num_warps=4,
     )
-
-
-def reference_cos_sin(
-    cos_sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin for these positions rounded to dtype, [num_tokens, 1, head_dim] each, as the model
-    computes them once a step (RotaryEmbedding.cos_sin_for)."""
-    half = cos_sin.shape[1] // 2
-    table = cos_sin[positions]  # [num_tokens, head_dim]
-    cos = table[:, :half].repeat(1, 2)[:, None, :].to(dtype)
-    sin = table[:, half:].repeat(1, 2)[:, None, :].to(dtype)
-    return cos, sin
-
-
-def rotate_reference(
-    query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's per-layer torch rotary, out of place: every op rounded to the dtype."""
-    half = query.shape[-1] // 2
-
-    def rotate_half(x: torch.Tensor) -> torch.Tensor:
-        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-    return query * cos + rotate_half(query) * sin, key * cos + rotate_half(key) * sin
-
-
-def apply_rotary_reference(
-    query: torch.Tensor, key: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's torch rotary, out of place: cos/sin rounded to the dtype, each op rounded."""
-    return rotate_reference(query, key, *reference_cos_sin(cos_sin, positions, query.dtype))

@@ -4,32 +4,54 @@ Qwen2 adds q/k/v bias and ties the output head to the embedding; Llama 3 adds ll
 Every op mirrors transformers' order and dtype handling (RMSNorm in float32, residual adds in the
 model dtype), which is what lets the tests compare greedy outputs token for token. q/k/v and
 gate/up projections are merged into one matmul each; `load_weights` maps the checkpoint's names.
+With `kernels` (the CUDA fast path) the norms (fused with the residual add), rotary and the MLP
+activation run as Triton kernels with the same roundings; otherwise their torch references.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import current_metadata
 from engine.config import ModelConfig
+from engine.kernels.reference import (
+    fused_add_rms_norm_reference,
+    reference_cos_sin,
+    rms_norm_reference,
+    rotate_reference,
+    silu_and_mul_reference,
+)
+from engine.models import kernels as fast
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    """RMSNorm, optionally fused with the residual add before it.
+
+    `norm(x)` -> (normed, x); `norm(x, residual)` -> (norm(x + residual), x + residual), where x is a
+    sublayer's fresh output: the kernel path overwrites it with the normed rows.
+    """
+
+    def __init__(self, size: int, eps: float, kernels: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.kernels = kernels
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            if self.kernels:
+                return fast.rms_norm(x, self.weight, self.eps), x
+            return rms_norm_reference(x, self.weight, self.eps), x
+        if self.kernels:
+            return fast.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        return fused_add_rms_norm_reference(x, residual, self.weight, self.eps)
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
@@ -53,15 +75,30 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+@dataclass
+class RopeStep:
+    """What every layer's rotary needs in one step: positions [num_tokens]; for the torch path also
+    cos and sin [num_tokens, 1, head_dim] in the model's dtype."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+
+
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotation (halves), cos/sin precomputed in float32 for every position."""
+    """Neox-style rotation (halves), cos/sin precomputed in float32 for every position.
+
+    `for_step` runs once per forward pass and `rotate` once per layer: with kernels, one launch rotates
+    q and k in place inside the qkv output; otherwise the torch reference, cos/sin rounded once a step.
+    """
 
     cos_sin: torch.Tensor  # [max_positions, head_dim]: cos of each frequency, then sin
 
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int, kernels: bool = False) -> None:
         super().__init__()
         self.config = config
         self.max_positions = max_positions
+        self.kernels = kernels
         self.register_buffer("cos_sin", torch.empty(max_positions, config.head_dim), persistent=False)
 
     def init_cache(self) -> None:
@@ -70,27 +107,24 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim / 2]
         self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
-    def cos_sin_for(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for these positions, [num_tokens, 1, head_dim] each: computed once per step, used by every layer."""
-        half = self.config.head_dim // 2
-        cos_sin = self.cos_sin[positions]  # [num_tokens, head_dim]
-        cos = cos_sin[:, :half].repeat(1, 2)[:, None, :].to(dtype)
-        sin = cos_sin[:, half:].repeat(1, 2)[:, None, :].to(dtype)
-        return cos, sin
+    def for_step(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeStep:
+        if self.kernels:
+            return RopeStep(positions)
+        return RopeStep(positions, *reference_cos_sin(self.cos_sin, positions, dtype))
 
-
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    def rotate(
+        self, query: torch.Tensor, key: torch.Tensor, step: RopeStep
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if step.cos is None or step.sin is None:
+            fast.apply_rotary(query, key, self.cos_sin, step.positions)
+            return query, key
+        return rotate_reference(query, key, step.cos, step.sin)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, backend) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, backend, rotary: RotaryEmbedding) -> None:
         super().__init__()
+        self.rotary = [rotary]  # the model's, shared: a list keeps it out of this module's children
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -98,68 +132,90 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.layer_index = layer_index
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.backend = backend
         # [2, num_blocks, block_size, num_kv_heads, head_dim]; bound by the runner once sized.
         self.kv_cache: torch.Tensor = torch.empty(0)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RopeStep) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, *rope)
+        q, k = self.rotary[0].rotate(q, k, rope)
         out = self.backend.forward(q, k, v, self.kv_cache, current_metadata(), self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, kernels: bool = False) -> None:
         super().__init__()
+        self.kernels = kernels
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]: gate, then up
+        if self.kernels:
+            return self.down_proj(fast.silu_and_mul(gate_up))
+        return self.down_proj(silu_and_mul_reference(gate_up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, backend) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_index, backend)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+    """(x, residual) -> (the MLP's output, the running residual); each norm adds the residual first.
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    Layer 0 gets residual None (the embeddings are the residual), and the model's final norm adds the
+    last layer's output: the sums and roundings of transformers' `residual + sublayer(x)`.
+    """
+
+    def __init__(
+        self, config: ModelConfig, layer_index: int, backend, rotary: RotaryEmbedding, kernels: bool
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.self_attn = Attention(config, layer_index, backend, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.mlp = MLP(config, kernels)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, rope: RopeStep
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, rope), residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
-    """forward(input_ids [num_tokens], positions [num_tokens]) -> hidden [num_tokens, hidden_size]."""
+    """forward(input_ids [num_tokens], positions [num_tokens]) -> hidden [num_tokens, hidden_size].
 
-    def __init__(self, config: ModelConfig, backend, max_positions: int) -> None:
+    kernels: norms, rotary and the MLP activation through the Triton kernels instead of torch.
+    """
+
+    def __init__(self, config: ModelConfig, backend, max_positions: int, kernels: bool = False) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, backend) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config, max_positions)
+        self.rotary = RotaryEmbedding(config, max_positions, kernels)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, backend, self.rotary, kernels) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        rope = self.rotary.cos_sin_for(positions, x.dtype)
+        rope = self.rotary.for_step(positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, rope)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_sampled, vocab] in float32."""

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels.activation import BLOCK, silu_and_mul, silu_and_mul_reference
+from engine.kernels.activation import BLOCK, silu_and_mul
+from engine.kernels.reference import silu_and_mul_reference
 
 ON_CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not ON_CUDA, reason="needs a CUDA device")

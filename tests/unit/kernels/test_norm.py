@@ -12,12 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels.norm import (
-    fused_add_rms_norm,
-    fused_add_rms_norm_reference,
-    rms_norm,
-    rms_norm_reference,
-)
+from engine.kernels.norm import fused_add_rms_norm, rms_norm
+from engine.kernels.reference import fused_add_rms_norm_reference, rms_norm_reference
 
 ON_CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not ON_CUDA, reason="needs a CUDA device")

@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels.rotary import apply_rotary, apply_rotary_reference
+from engine.kernels.reference import apply_rotary_reference
+from engine.kernels.rotary import apply_rotary
 
 ON_CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not ON_CUDA, reason="needs a CUDA device")
