@@ -1,6 +1,7 @@
-"""Command line: `python -m bench run|report|compare|merge|serve`.
+"""Command line: `python -m bench run|offline|report|compare|merge|serve`.
 
-`run` turns flags into a bench.suite.RunConfig and calls run_benchmark; `report` calls
+`run` turns flags into a bench.suite.RunConfig and calls run_benchmark; `offline` drives a target's
+step-level engine in a child process (bench.offline.run_offline); `report` calls
 bench.report.write_report; `compare` calls bench.compare.compare_results and exits 1 on a regression;
 `merge` folds single-trial perf summaries run separately (bench.trials.merge_summaries); `serve`
 starts a target's server as the perf tier would and leaves it running (bench.launch).
@@ -24,9 +25,19 @@ from bench.client import Endpoint
 from bench.compare import DEFAULT_MAX_DROP, compare_results, parse_max_drop
 from bench.launch import MAX_MODEL_LEN, ServerProcess, ServerSpec
 from bench.metrics import parse_slo
+from bench.offline import (
+    OfflineConfig,
+    OfflineError,
+    OfflineLoad,
+    Probes,
+    describe_entry,
+    failed_entries,
+    run_json,
+    run_offline,
+)
 from bench.probe import first_model
 from bench.report import write_report
-from bench.results import json_safe
+from bench.results import json_safe, write_run
 from bench.runner import LoadConfig, SweepConfig
 from bench.suite import RunConfig, run_benchmark
 from bench.trials import merge_summaries
@@ -167,7 +178,114 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for /health")
     serve.add_argument("--log", help="server log (default perf-out/TARGET-server.log)")
     serve.add_argument("--info", help="description JSON to write (default perf-out/TARGET-server.json)")
+
+    offline = commands.add_parser(
+        "offline",
+        help="drive a target's step-level engine in process (no HTTP): all at once, closed loops, probes",
+        description="Runs the target in a child process (`python -m bench.offline_worker`; bench never "
+        "imports it), with greedy sampling and ignore_eos, and writes run.json (its `offline` section) and "
+        "requests.csv. vLLM is imported through $PERF_VLLM_ENV when that is set.",
+    )
+    offline.add_argument("--target", choices=["engine", "vllm"], required=True)
+    offline.add_argument("--model", required=True, help="model folder")
+    offline.add_argument("--dtype", default="bfloat16", help="float32 for the engine on CPU")
+    offline.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
+    offline_workload = offline.add_argument_group("workload")
+    offline_workload.add_argument("--workload", choices=["seed-mix", "fixed", "jsonl"], default="seed-mix")
+    offline_workload.add_argument("--input-len", type=int, default=128, help="fixed: prompt tokens")
+    offline_workload.add_argument("--output-len", type=int, default=128, help="fixed: tokens to generate")
+    offline_workload.add_argument(
+        "--dataset", help="jsonl: file of {prompt, max_tokens} or ShareGPT conversations"
+    )
+    offline_workload.add_argument(
+        "--token-range", type=_token_range, default=(1000, 30000), help="prompt token ids in [LOW,HIGH)"
+    )
+    offline_workload.add_argument("--seed", type=int, default=0, help="the workload's seed")
+    offline_load = offline.add_argument_group("load")
+    defaults = OfflineLoad()
+    offline_load.add_argument(
+        "--n-requests",
+        type=int,
+        default=defaults.n_requests,
+        help=f"requests added all at once (default {defaults.n_requests}; 0 skips this mode)",
+    )
+    offline_load.add_argument(
+        "--concurrency", type=_list_of(int), default=(), help="in-process closed loops, e.g. 1,32,128"
+    )
+    offline_load.add_argument(
+        "--duration",
+        type=float,
+        default=defaults.duration_s,
+        help=f"closed loops: seconds of new requests (default {defaults.duration_s:g})",
+    )
+    offline_load.add_argument(
+        "--warmup", type=int, default=defaults.warmup, help="warm-up requests first, left out of figures"
+    )
+    probes = offline.add_argument_group("probes (0 skips one)")
+    probe_defaults = defaults.probes
+    probes.add_argument("--single-prompt-len", type=int, default=probe_defaults.single_prompt_len)
+    probes.add_argument(
+        "--single-tokens",
+        type=int,
+        default=probe_defaults.single_tokens,
+        help=f"one sequence alone: tokens it generates (default {probe_defaults.single_tokens})",
+    )
+    probes.add_argument(
+        "--prefill-prompts",
+        type=int,
+        default=probe_defaults.prefill_prompts,
+        help=f"prefill: prompts added at once, max_tokens 1 (default {probe_defaults.prefill_prompts})",
+    )
+    probes.add_argument("--prefill-prompt-len", type=int, default=probe_defaults.prefill_prompt_len)
+    offline.add_argument(
+        "--timeout", type=float, default=None, help="stop the worker after this many seconds"
+    )
+    offline.add_argument("--out", help="run folder (default bench-out/offline-TARGET-TIME)")
     return parser
+
+
+def command_offline(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        config = OfflineConfig(
+            target=args.target,
+            model_dir=str(Path(args.model).resolve()),
+            dtype=args.dtype,
+            workload=WorkloadSpec(
+                args.workload, args.seed, args.token_range, args.input_len, args.output_len, args.dataset
+            ),
+            load=OfflineLoad(
+                n_requests=args.n_requests,
+                concurrencies=args.concurrency,
+                duration_s=args.duration,
+                warmup=args.warmup,
+                probes=Probes(
+                    args.single_prompt_len, args.single_tokens, args.prefill_prompts, args.prefill_prompt_len
+                ),
+            ),
+            max_model_len=args.max_model_len,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    if not Path(config.model_dir).is_dir():
+        parser.error(f"--model {args.model}: not a folder")
+    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    try:
+        run = run_offline(config, timeout_s=args.timeout)
+    except OfflineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finished = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out or os.path.join("bench-out", f"offline-{args.target}-{stamp}"))
+    write_run(out, run_json(config, run, started, finished), run.rows)
+    for key, entry in run.section.items():
+        print(describe_entry(key, entry))
+    print(f"wrote {out}/run.json and requests.csv")
+    failed = failed_entries(run.section)
+    if failed:
+        print(f"error: requests failed in {', '.join(failed)} (see requests.csv)", file=sys.stderr)
+        return 1
+    return 0
 
 
 def command_serve(args: argparse.Namespace) -> int:
@@ -275,6 +393,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return command_merge(args, parser)
     if args.command == "serve":
         return command_serve(args)
+    if args.command == "offline":
+        return command_offline(args, parser)
     if args.command == "report":
         print(f"wrote {write_report(args.results, args.out)}")
         return 0

@@ -2,8 +2,9 @@
 result of the engine itself), read from one reviewed TOML file.
 
 Throughput budgets (capacity_req_s, closed-loop output_tok_s) ask new >= budget x reference; latency
-budgets (ttft_p50_s, tpot_p50_s, open loop below saturation) ask new <= budget x reference. A lenient
-budget, under 0.5 for throughput or over 2 for latency, must say why in one line (`reason`).
+budgets (ttft_p50_s, tpot_p50_s, open loop below saturation) ask new <= budget x reference; the offline
+ones (`offline_*`, OFFLINE_BUDGETS) likewise, by their figure's direction. A lenient budget, under 0.5
+for throughput or over 2 for latency, must say why in one line (`reason`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,15 @@ from typing import Any
 
 from bench.metrics import metric_direction
 
-BUDGETED_METRICS = ("capacity_req_s", "output_tok_s", "ttft_p50_s", "tpot_p50_s")
+# Offline budgets (`bench offline`): name in the budget file -> the offline figure it holds. Output
+# tokens/s is held in every offline mode both sides ran (all at once, closed loops), the others in
+# the probes.
+OFFLINE_BUDGETS = {
+    "offline_output_tok_s": "output_tok_s",
+    "offline_single_tpot_s": "single_tpot_s",
+    "offline_prefill_tok_s": "prefill_tok_s",
+}
+BUDGETED_METRICS = ("capacity_req_s", "output_tok_s", "ttft_p50_s", "tpot_p50_s", *OFFLINE_BUDGETS)
 BELOW_SATURATION = 0.8  # open-loop latency is budgeted at rates under this fraction of the engine's capacity
 
 
@@ -29,7 +38,8 @@ class Budget:
 
     @property
     def lenient(self) -> bool:
-        return self.value < 0.5 if metric_direction(self.metric) == "higher" else self.value > 2.0
+        direction = metric_direction(OFFLINE_BUDGETS.get(self.metric, self.metric))
+        return self.value < 0.5 if direction == "higher" else self.value > 2.0
 
 
 @dataclass(frozen=True)
@@ -137,3 +147,32 @@ def check_closed(
             budgets["output_tok_s"].value,
         )
     ]
+
+
+def check_offline(
+    offline: Mapping[str, Mapping[str, Any]], reference: Mapping[str, Any], budgets: Mapping[str, Budget]
+) -> list[BudgetCheck]:
+    """Each offline budget on every offline entry (`all`, `closed-8`, `probes`) that both the new
+    section and the reference's have with that figure."""
+    reference_section = reference.get("offline") or {}
+    checks = []
+    for key, entry in offline.items():
+        reference_entry = reference_section.get(key)
+        if reference_entry is None:
+            continue
+        for name, metric in OFFLINE_BUDGETS.items():
+            if name in budgets and _number(entry.get(metric)) and _number(reference_entry.get(metric)):
+                checks.append(
+                    BudgetCheck(
+                        f"offline {key}",
+                        metric,
+                        float(entry[metric]),
+                        float(reference_entry[metric]),
+                        budgets[name].value,
+                    )
+                )
+    return checks
+
+
+def _number(value: Any) -> bool:
+    return value is not None and not math.isnan(float(value))

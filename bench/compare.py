@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.metrics import metric_direction
+from bench.metrics import STEP_TIMING, metric_direction
 from bench.results import Result, level_key, load_result
 
 DEFAULT_MAX_DROP: dict[str, float] = {"served_req_s": 5.0, "output_tok_s": 5.0, "ttft_p50_s": 10.0}
@@ -29,6 +29,19 @@ SHOWN_METRICS = (
     "e2e_p50_s",
     "e2e_p99_s",
     "failures",
+)
+# The offline section (`bench offline`): these, then the engine's step phases (`step_<phase>_ms`).
+OFFLINE_SHOWN_METRICS = (
+    "served_req_s",
+    "output_tok_s",
+    "ttft_p50_s",
+    "tpot_p50_s",
+    "itl_p50_s",
+    "failures",
+    "step_ms",
+    "single_ttft_s",
+    "single_tpot_s",
+    "prefill_tok_s",
 )
 # meta["machine"] fields that make two measurements come from different machines, in the order the
 # note names them.
@@ -222,8 +235,9 @@ def compare_results(
     max_drop: Mapping[str, float] = DEFAULT_MAX_DROP,
 ) -> Comparison:
     """Match levels by (mode, rate) or (mode, concurrency) and compare every shown or limited metric
-    present on both sides; `capacity_req_s` is compared too when both have it. A NaN on either side
-    is shown but never a regression."""
+    present on both sides; `capacity_req_s` is compared too when both have it, and the offline
+    section's entries matched by their key (`offline all`, `offline closed-8`, `offline probes`).
+    A NaN on either side is shown but never a regression."""
     base = base if isinstance(base, Result) else load_result(base)
     new = new if isinstance(new, Result) else load_result(new)
     for metric in max_drop:
@@ -255,7 +269,28 @@ def compare_results(
                     )
                 )
     unmatched += [f"{_level_name(level_id)} ({new.target or 'new'})" for level_id in new_levels]
+    for key, entry in base.offline.items():
+        name = f"offline {key}"
+        other = new.offline.get(key)
+        if other is None:
+            unmatched.append(f"{name} ({base.target or 'base'})")
+            continue
+        for metric in _offline_metrics(entry, max_drop):
+            if metric in other:
+                rows.append(
+                    _row(name, metric, _figure(entry, metric, base), _figure(other, metric, new), max_drop)
+                )
+    unmatched += [f"offline {key} ({new.target or 'new'})" for key in new.offline if key not in base.offline]
     return Comparison(base.target, new.target, rows, unmatched, machine_note(base, new))
+
+
+def _offline_metrics(entry: Mapping[str, Any], max_drop: Mapping[str, float]) -> list[str]:
+    """The shown offline metrics an entry has, its step phases after `step_ms`, then limited ones."""
+    shown = [metric for metric in OFFLINE_SHOWN_METRICS if metric in entry]
+    phases = [key for key in entry if key not in shown and STEP_TIMING.match(key) and metric_direction(key)]
+    position = shown.index("step_ms") + 1 if "step_ms" in shown else len(shown)
+    metrics = shown[:position] + phases + shown[position:]
+    return metrics + [key for key in max_drop if key in entry and key not in metrics]
 
 
 def _figure(figures: Mapping[str, Any], metric: str, result: Result) -> Figure:

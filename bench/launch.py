@@ -59,7 +59,7 @@ class ServerSpec:
             model_dir,
             port or free_port(),
             target_args(target, dtype, max_model_len, seed),
-            env_file=os.environ.get(VLLM_ENV_VARIABLE) if target == "vllm" else None,
+            env_file=vllm_env_file() if target == "vllm" else None,
         )
 
     @property
@@ -80,10 +80,22 @@ class ServerSpec:
                 *host,
                 *self.args,
             ]
-            if self.env_file:
-                return ["bash", "-c", 'source "$0" && exec "$@"', self.env_file, *launch]
-            return launch
+            return sourcing(self.env_file, launch)
         raise ValueError(f"unknown target {self.target!r} (engine or vllm)")
+
+
+def vllm_env_file() -> str | None:
+    """The staged vLLM's env file ($PERF_VLLM_ENV), or None for an ordinary install."""
+    return os.environ.get(VLLM_ENV_VARIABLE) or None
+
+
+def sourcing(env_file: str | None, command: list[str]) -> list[str]:
+    """`command` run after sourcing `env_file` (a staged vLLM's PYTHONPATH and the like), if one is given.
+
+    Every process that imports vLLM is started this way: its server, and `bench offline`'s worker."""
+    if env_file:
+        return ["bash", "-c", 'source "$0" && exec "$@"', env_file, *command]
+    return command
 
 
 def engine_args(dtype: str, max_model_len: int, seed: int = 0) -> list[str]:
@@ -122,7 +134,7 @@ def healthy(base_url: str, timeout_s: float = 2.0) -> bool:
 
 def vllm_unavailable_reason() -> str | None:
     """None when vLLM can be started here, else why not."""
-    env_file = os.environ.get(VLLM_ENV_VARIABLE)
+    env_file = vllm_env_file()
     if env_file:
         return None if Path(env_file).is_file() else f"{VLLM_ENV_VARIABLE}={env_file} is not a file"
     try:

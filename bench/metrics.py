@@ -237,11 +237,37 @@ def latency_stats(name: str, values: Sequence[float]) -> dict[str, float]:
     return stats
 
 
-HIGHER_IS_BETTER = frozenset({"served_req_s", "output_tok_s", "goodput_req_s", "capacity_req_s"})
+def probe_figures(single: Sequence[RequestRow], prefill: Sequence[RequestRow]) -> dict[str, float]:
+    """The offline probes' figures (`bench offline`), from the rows of each probe's requests.
+
+    - single_ttft_s, single_tpot_s: the one-sequence probe's TTFT and TPOT, i.e. its wall time per
+      token after the first (the probe is one request alone, so this is the decode step at batch 1)
+    - prefill_tok_s = prompt tokens of the prefill probe's ok requests / its duration_s, the
+      requests all added at once with max_tokens 1
+    A probe that did not run (no rows) or failed gives NaN.
+    """
+    figures: dict[str, float] = {}
+    if single:
+        ok = [row for row in single if row.ok]
+        figures["single_ttft_s"] = ok[0].ttft_s if ok else math.nan
+        figures["single_tpot_s"] = ok[0].tpot_s if ok else math.nan
+    if prefill:
+        duration = summarize(prefill)["duration_s"]
+        tokens = sum(row.prompt_len for row in prefill if row.ok)
+        figures["prefill_tok_s"] = tokens / duration if duration and duration > 0 else math.nan
+    return figures
+
+
+HIGHER_IS_BETTER = frozenset(
+    {"served_req_s", "output_tok_s", "goodput_req_s", "capacity_req_s", "prefill_tok_s"}
+)
 LOWER_IS_BETTER = frozenset(
     {f"{name}_{stat}_s" for name in LATENCY_METRICS for stat in STAT_NAMES}
-    | {"send_lag_p99_s", "failures", "client_loop_lag_p99_s"}
+    | {"send_lag_p99_s", "failures", "client_loop_lag_p99_s", "single_ttft_s", "single_tpot_s"}
 )
+# Offline step timing (`bench offline`): `step_ms`, the mean wall time of one step, and the engine's
+# phases, `step_<phase>_ms` (engine.step_timing): lower is better, whatever phases the engine names.
+STEP_TIMING = re.compile(r"^step(_[a-z]+)?_ms$")
 _SPREAD = re.compile(r"_(min|max)(_|$)")
 
 
@@ -255,6 +281,6 @@ def metric_direction(key: str) -> Literal["higher", "lower"] | None:
         return None
     if key in HIGHER_IS_BETTER:
         return "higher"
-    if key in LOWER_IS_BETTER:
+    if key in LOWER_IS_BETTER or STEP_TIMING.match(key):
         return "lower"
     return None

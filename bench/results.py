@@ -1,7 +1,8 @@
 """Result files: writing a run folder (requests.csv, run.json) and reading any result back.
 
-`load_result` accepts a run folder, its run.json, or the perf tier's summary JSON and returns one
-`Result` shape (levels keyed by mode and rate or concurrency), which report and compare consume.
+`load_result` accepts a run folder, its run.json (of `bench run` or `bench offline`), or the perf
+tier's summary JSON and returns one `Result` shape (levels keyed by mode and rate or concurrency, the
+offline section by its mode key), which report and compare consume.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ RUN_JSON = "run.json"
 @dataclass
 class Result:
     """One target's figures. Each level has `mode` ("open" or "closed"), `rate` or `concurrency`,
-    and flat metric keys (bench.metrics). `meta` is the rest of run.json or the summary JSON."""
+    and flat metric keys (bench.metrics). `offline` is the `bench offline` section (mode key such as
+    `all`, `closed-8`, `probes` -> flat figures). `meta` is the rest of run.json or the summary JSON."""
 
     target: str
     path: str
@@ -31,6 +33,7 @@ class Result:
     capacity_req_s: float | None = None
     capacity_still_rising: bool | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    offline: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def level_key(level: dict[str, Any]) -> tuple[str, float]:
@@ -107,9 +110,10 @@ def load_result(path: str | Path) -> Result:
             levels=[_nan_for_null(level) for level in data["levels"]],
             capacity_req_s=data.get("capacity_req_s"),
             capacity_still_rising=data.get("capacity_still_rising"),
-            meta={k: v for k, v in data.items() if k != "levels"},
+            meta={k: v for k, v in data.items() if k not in ("levels", "offline")},
+            offline=_offline(data),
         )
-    if "open_loop" in data or "closed_loop" in data:  # the perf tier's summary
+    if "open_loop" in data or "closed_loop" in data or "offline" in data:  # the perf tier's summary
         levels = [{"mode": "open", **level} for level in data.get("open_loop") or []]
         levels += [{"mode": "closed", **level} for level in data.get("closed_loop") or []]
         return Result(
@@ -118,11 +122,16 @@ def load_result(path: str | Path) -> Result:
             levels=[_nan_for_null(level) for level in levels],
             capacity_req_s=data.get("capacity_req_s"),
             capacity_still_rising=data.get("capacity_still_rising"),
-            meta={k: v for k, v in data.items() if k not in ("open_loop", "closed_loop")},
+            meta={k: v for k, v in data.items() if k not in ("open_loop", "closed_loop", "offline")},
+            offline=_offline(data),
         )
     raise ValueError(
         f"{file}: neither a run.json (no 'levels') nor a summary JSON (no 'open_loop'/'closed_loop')"
     )
+
+
+def _offline(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {key: _nan_for_null(entry) for key, entry in (data.get("offline") or {}).items()}
 
 
 def _nan_for_null(level: dict[str, Any]) -> dict[str, Any]:

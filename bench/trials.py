@@ -11,6 +11,8 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from bench.metrics import STEP_TIMING
+
 OPEN_LOOP_KEYS = (
     "served_req_s",
     "ttft_p50_s",
@@ -22,6 +24,22 @@ OPEN_LOOP_KEYS = (
     "failures",
 )
 CLOSED_LOOP_KEYS = ("output_tok_s", "ttft_p50_s", "itl_p50_s", "tpot_p50_s", "failures")
+# The offline section (`bench offline`): each mode's figures, its step time and, for the engine, the
+# step's phases (`step_<phase>_ms`, whatever the engine names), and the probes' figures.
+OFFLINE_KEYS = (
+    "served_req_s",
+    "output_tok_s",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "itl_p50_s",
+    "tpot_p50_s",
+    "e2e_p50_s",
+    "failures",
+    "step_ms",
+    "single_ttft_s",
+    "single_tpot_s",
+    "prefill_tok_s",
+)
 
 
 def spread(values: Sequence[float | None], key: str) -> dict[str, float]:
@@ -51,15 +69,49 @@ def fold_levels(
     return folded
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and value == value
+
+
+def fold_offline(trials: Sequence[Mapping[str, Mapping[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Offline sections of several trials, entry by entry (`all`, `closed-8`, `probes`): the median,
+    min and max of each of OFFLINE_KEYS and of the step phases; an entry some trials lack is folded
+    over the trials that have it."""
+    folded: dict[str, dict[str, Any]] = {}
+    keys = list(dict.fromkeys(key for section in trials for key in section))
+    for key in keys:
+        entries = [section[key] for section in trials if key in section]
+        first = entries[0]
+        entry: dict[str, Any] = {"mode": first.get("mode", key)}
+        if "concurrency" in first:
+            entry["concurrency"] = first["concurrency"]
+        entry["trials"] = len(entries)
+        names = [name for name in OFFLINE_KEYS if any(_number(e.get(name)) for e in entries)]
+        names += list(
+            dict.fromkeys(
+                name
+                for e in entries
+                for name in e
+                if name != "step_ms" and STEP_TIMING.match(name) and name not in names and _number(e[name])
+            )
+        )
+        for name in names:
+            entry.update(spread([e.get(name) for e in entries], name))
+        folded[key] = entry
+    return folded
+
+
 def summarize_trials(
     *,
     header: Mapping[str, Any],
     sweep_trials: Sequence[Mapping[str, Any]],
     closed_trials: Sequence[Sequence[Mapping[str, Any]]],
     trials: int,
+    offline_trials: Sequence[Mapping[str, Mapping[str, Any]]] = (),
 ) -> dict[str, Any]:
     """The summary JSON. sweep_trials: one {"capacity_req_s", "capacity_still_rising", "levels"} per trial;
-    closed_trials: for each trial, its closed-loop level summaries."""
+    closed_trials: for each trial, its closed-loop level summaries; offline_trials: each trial's
+    offline section (an `offline` key only when there is one)."""
     summary: dict[str, Any] = dict(header)
     summary["trials"] = trials
     if sweep_trials:
@@ -70,6 +122,8 @@ def summarize_trials(
         summary["capacity_still_rising"] = None
     summary["open_loop"] = fold_levels([t["levels"] for t in sweep_trials], "rate", OPEN_LOOP_KEYS)
     summary["closed_loop"] = fold_levels(closed_trials, "concurrency", CLOSED_LOOP_KEYS)
+    if offline_trials:
+        summary["offline"] = fold_offline(offline_trials)
     return summary
 
 
@@ -110,13 +164,18 @@ def merge_summaries(
     header = {
         k: v
         for k, v in first.items()
-        if k not in ("open_loop", "closed_loop", "trials") and not k.startswith("capacity_")
+        if k not in ("open_loop", "closed_loop", "offline", "trials") and not k.startswith("capacity_")
     }
     header["merged_from"] = [s.get("date") for s in summaries]
     if sweep_from is not None:
         header["sweep_from"] = [s.get("date") for s in sweep_from]
         header["sweep_trials"] = len(sweep_trials)
     closed = [list(s.get("closed_loop") or []) for s in summaries]
+    offline = [s["offline"] for s in summaries if s.get("offline")]
     return summarize_trials(
-        header=header, sweep_trials=sweep_trials, closed_trials=closed, trials=len(summaries)
+        header=header,
+        sweep_trials=sweep_trials,
+        closed_trials=closed,
+        trials=len(summaries),
+        offline_trials=offline,
     )
