@@ -264,7 +264,7 @@ def describe_entry(key: str, entry: Mapping[str, Any]) -> str:
     return (
         f"{key}: {count}{_number(entry.get('served_req_s'))} req/s, "
         f"{_number(entry.get('output_tok_s'))} output tok/s, TTFT p50 {ms(entry.get('ttft_p50_s'))}, "
-        f"TPOT p50 {ms(entry.get('tpot_p50_s'))}; {step}; failures {_number(entry.get('failures'))}"
+        f"TPOT p50 {ms(entry.get('tpot_p50_s'))}; {step}; failures {entry.get('failures', 0):g}"
     )
 
 

@@ -42,10 +42,27 @@ OPEN_COLUMNS = [
     ("client_cpu_util", "client CPU", "percent"),
 ]
 CLOSED_COLUMNS = [("concurrency", "concurrency", "count")] + [c for c in OPEN_COLUMNS if c[0] != "rate"]
+# The offline section (`bench offline`): one row per entry and target; the engine's step phases too.
+OFFLINE_COLUMNS = [
+    ("served_req_s", "served req/s", "rate"),
+    ("output_tok_s", "output tok/s", "tokens"),
+    ("ttft_p50_s", "TTFT p50 ms", "ms"),
+    ("tpot_p50_s", "TPOT p50 ms", "ms"),
+    ("step_ms", "step ms", "plain_ms"),
+    ("step_schedule_ms", "schedule ms", "plain_ms"),
+    ("step_prepare_ms", "prepare ms", "plain_ms"),
+    ("step_execute_ms", "execute ms", "plain_ms"),
+    ("step_update_ms", "update ms", "plain_ms"),
+    ("step_outputs_ms", "outputs ms", "plain_ms"),
+    ("single_tpot_s", "one sequence: ms per token", "ms"),
+    ("prefill_tok_s", "prefill prompt tok/s", "tokens"),
+    ("failures", "failures", "count"),
+]
 FORMATS = {
     "rate": lambda v: f"{v:.2f}",
     "tokens": lambda v: f"{v:,.0f}",
     "ms": lambda v: f"{v * 1e3:.1f}",
+    "plain_ms": lambda v: f"{v:.2f}",
     "count": lambda v: f"{v:.0f}",
     "percent": lambda v: f"{v:.0%}",
 }
@@ -99,7 +116,11 @@ def render(results: Sequence[Result]) -> str:
         parts.append("<h2>Closed loop: a fixed number of requests in flight</h2>")
         parts.append(_img(_plot_closed(results)))
         parts.append(_levels_table(results, "closed", CLOSED_COLUMNS))
-    if not opened and not closed:
+    offline = any(r.offline for r in results)
+    if offline:
+        parts.append("<h2>Offline: the step-level engine driven in process, no HTTP</h2>")
+        parts.append(_offline_table(results))
+    if not opened and not closed and not offline:
         parts.append("<p>No levels in these results.</p>")
     parts.append("</body></html>")
     return "\n".join(parts)
@@ -161,6 +182,25 @@ def _levels_table(results: Sequence[Result], mode: str, columns: list[tuple[str,
         previous = key
         cells = "".join(f"<td>{_num(level.get(name), kind)}</td>" for name, _, kind in columns)
         body.append(f"<tr{cls}><td class='text'>{html.escape(target)}</td>{cells}</tr>")
+    return f"<table><tr>{head}</tr>{''.join(body)}</table>"
+
+
+def _offline_table(results: Sequence[Result]) -> str:
+    """One row per (offline entry, target), targets of one entry adjacent."""
+    keys = list(dict.fromkeys(key for r in results for key in r.offline))
+    head = "<th class='text'>mode</th><th class='text'>target</th>" + "".join(
+        f"<th>{label}</th>" for _, label, _ in OFFLINE_COLUMNS
+    )
+    body = []
+    for key in keys:
+        for i, r in enumerate(entry for entry in results if key in entry.offline):
+            cls = " class='first'" if i == 0 and body else ""
+            cells = "".join(
+                f"<td>{_num(r.offline[key].get(name), kind)}</td>" for name, _, kind in OFFLINE_COLUMNS
+            )
+            body.append(
+                f"<tr{cls}><td class='text'>{html.escape(key)}</td><td class='text'>{html.escape(r.target)}</td>{cells}</tr>"
+            )
     return f"<table><tr>{head}</tr>{''.join(body)}</table>"
 
 

@@ -1,9 +1,10 @@
 """The perf tier's machinery: settings from the command line, the server under test, the recorder.
 
 `pytest -m perf` measures each target (`--target engine|vllm|both`; both = vLLM first, then the
-engine, on the same machine) with bench's seed-mix workload. A session fixture starts the target's
-server once (or uses one already running: `--server-url`, or `--server-info` from `python -m bench
-serve`), warms it up, and always stops it. The recorder keeps every
+engine, on the same machine) with bench's seed-mix workload. Each target's offline case runs first,
+in a child process (`bench offline`), before its server starts; then a session fixture starts the
+target's server once (or uses one already running: `--server-url`, or `--server-info` from `python -m
+bench serve`), warms it up, and always stops it. The recorder keeps every
 trial's figures, checks budgets (tests/perf/budgets.toml) against the reference, and at the end writes
 one summary JSON per target (and, with --save-baseline, stores it under baselines/<gpu>/<model>/).
 """
@@ -23,6 +24,7 @@ from bench.budgets import BudgetCheck, load_budgets
 from bench.client import Endpoint
 from bench.launch import ServerProcess, ServerSpec, load_server_info, vllm_unavailable_reason
 from bench.machine import describe_machine, same_machine
+from bench.offline import OfflineLoad, Probes, describe_entry
 from bench.probe import first_model, probe
 from bench.report import write_report
 from bench.runner import LoadConfig, SweepConfig, run_closed_loop
@@ -40,7 +42,8 @@ class Profile:
     capacity); the sweep stretches a level to 3x the p90 latency where the server last kept up, up to
     60 s, so a slow server's trial takes longer (vLLM: ~5 minutes a trial on an H200); `short`:
     capacity and two closed-loop levels of both targets in one command; `smoke` exercises the whole
-    pipeline on CPU in a few minutes."""
+    pipeline on CPU in a few minutes. `offline`: the offline case's run (all at once, then the two
+    probes), before the target's server starts."""
 
     name: str
     sweep: SweepConfig
@@ -49,6 +52,7 @@ class Profile:
     closed_load: LoadConfig
     warmup: LoadConfig
     warmup_concurrency: int
+    offline: OfflineLoad
 
 
 PROFILES = {
@@ -60,6 +64,7 @@ PROFILES = {
         closed_load=LoadConfig(duration_s=15.0, progress=False),
         warmup=LoadConfig(duration_s=15.0, progress=False),
         warmup_concurrency=64,
+        offline=OfflineLoad(n_requests=1000, warmup=32),
     ),
     # Capacity and the closed loop at 1 and 128 of both targets in one 10-minute command (--target both).
     "short": Profile(
@@ -70,6 +75,7 @@ PROFILES = {
         closed_load=LoadConfig(duration_s=10.0, progress=False),
         warmup=LoadConfig(duration_s=8.0, progress=False),
         warmup_concurrency=32,
+        offline=OfflineLoad(n_requests=300, warmup=16),
     ),
     "smoke": Profile(
         name="smoke",
@@ -80,6 +86,12 @@ PROFILES = {
         closed_load=LoadConfig(n_requests=6, progress=False),
         warmup=LoadConfig(n_requests=4, progress=False),
         warmup_concurrency=4,
+        # Three seed-mix requests (two of 4,096 prompt tokens), probes scaled down: ~10 s on 2 cores.
+        offline=OfflineLoad(
+            n_requests=3,
+            warmup=1,
+            probes=Probes(single_prompt_len=16, single_tokens=32, prefill_prompts=2, prefill_prompt_len=512),
+        ),
     ),
 }
 
@@ -168,12 +180,14 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """All cases of one target, then all of the next (vLLM first with --target both): the session's
-    server is then started once per target, never twice."""
+    server is then started once per target, never twice. Within a target, cases that do not use the
+    server (the offline case) come first, before it starts."""
     order = {target: i for i, target in enumerate(settings(config).targets)}
 
-    def key(item: pytest.Item) -> int:
+    def key(item: pytest.Item) -> tuple[int, bool]:
         callspec = getattr(item, "callspec", None)
-        return order.get(callspec.params.get("target"), -1) if callspec else -1
+        target = order.get(callspec.params.get("target"), -1) if callspec else -1
+        return (target, "server" in getattr(item, "fixturenames", ()))
 
     items.sort(key=key)
 
@@ -199,6 +213,11 @@ def model_dir(perf: PerfSettings) -> str:
     return str(folder)
 
 
+@pytest.fixture(scope="session")
+def model_folder(perf: PerfSettings) -> str:
+    return model_dir(perf)
+
+
 # -- the recorder ----------------------------------------------------------------------------------
 @dataclass
 class TargetRecord:
@@ -206,15 +225,25 @@ class TargetRecord:
     header: dict[str, Any]
     sweep_trials: list[dict[str, Any]] = field(default_factory=list)
     closed_trials: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    offline_trials: list[dict[str, Any]] = field(default_factory=list)  # each trial's offline section
     checks: list[BudgetCheck] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    server_started: bool = False
+
+    @property
+    def measured(self) -> bool:
+        return bool(self.sweep_trials or self.closed_trials or self.offline_trials)
 
     def summary(self, trials: int) -> dict[str, Any]:
         closed = [
             [levels[i] for levels in self.closed_trials.values() if i < len(levels)] for i in range(trials)
         ]
         return summarize_trials(
-            header=self.header, sweep_trials=self.sweep_trials, closed_trials=closed, trials=trials
+            header=self.header,
+            sweep_trials=self.sweep_trials,
+            closed_trials=closed,
+            trials=trials,
+            offline_trials=self.offline_trials,
         )
 
 
@@ -234,6 +263,34 @@ class Recorder:
         self.perf = perf
         self.records: dict[str, TargetRecord] = {}
         self.budgets = load_budgets(BUDGETS_FILE)
+        self.servers: dict[str, ServerProcess] = {}  # servers this session started, by target
+
+    def record(self, target: str) -> TargetRecord:
+        """The target's record, made on first use (by its offline case, else its server) with what
+        every summary says; the server fixture adds what it learns from the server."""
+        if target not in self.records:
+            perf = self.perf
+            self.records[target] = TargetRecord(
+                target,
+                header={
+                    "target": target,
+                    "version": None,
+                    "gpu": perf.machine["gpu"],
+                    "model": perf.model_key,
+                    "dtype": perf.dtype,
+                    "workload": "seed-mix",
+                    "profile": perf.profile.name,
+                    "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                    "machine": perf.machine,
+                },
+            )
+        return self.records[target]
+
+    def stop_servers(self) -> None:
+        """Stop every server this session started (an offline case wants the GPU to itself; with
+        --target both, vLLM's server is still up when the engine's offline case starts)."""
+        for process in self.servers.values():
+            process.stop()
 
     def reference_for(self, target: str) -> Reference | None:
         """vLLM measured in this session, else --baseline, else the stored vLLM result, else the stored
@@ -241,7 +298,7 @@ class Recorder:
         if target == "vllm":
             return None
         vllm = self.records.get("vllm")
-        if vllm is not None and (vllm.sweep_trials or vllm.closed_trials):
+        if vllm is not None and vllm.measured:
             return Reference(
                 self.records["vllm"].summary(self.perf.trials), "vLLM measured in this session", True
             )
@@ -260,8 +317,9 @@ class Recorder:
                 return Reference(summary, source, same_machine(summary.get("machine"), self.perf.machine))
         return None
 
-    def check(self, target: str, checks_for) -> None:
-        """Assert budgets against the reference; skips, saying why, when there is nothing to hold to."""
+    def check(self, target: str, checks_for, section: str | None = None) -> None:
+        """Assert budgets against the reference; skips, saying why, when there is nothing to hold to
+        (no reference, no budgets against it, or a reference without the `section` these figures need)."""
         record = self.records[target]
         self.write(final=False)
         if target == "vllm":
@@ -274,6 +332,8 @@ class Recorder:
         budgets = self.budgets.get(reference.target)
         if not budgets:
             pytest.skip(f"{BUDGETS_FILE.name} has no budgets against a {reference.target!r} reference")
+        if section is not None and not reference.summary.get(section):
+            pytest.skip(f"the reference, {reference.source}, has no {section} figures: recorded, not checked")
         checks = checks_for(reference.summary, budgets)
         record.checks += checks
         flag = (
@@ -293,7 +353,7 @@ class Recorder:
         Called after every case too (final=False), so a run cut short still leaves its figures."""
         written = []
         for target, record in self.records.items():
-            if not record.sweep_trials and not record.closed_trials:
+            if not record.measured:
                 continue
             summary = record.summary(self.perf.trials)
             path = self.perf.out / f"{target}-seed-mix.json"
@@ -347,33 +407,28 @@ def server(target: str, perf: PerfSettings, recorder: Recorder):
             spec = ServerSpec.for_target(target, folder, perf.dtype)
             server_args = spec.args
             process = ServerProcess(spec, perf.out / f"{target}-server.log")
+            recorder.servers[target] = process
             process.start(timeout_s=300.0 if target == "vllm" else 180.0)
             base_url, ready_after_s = spec.base_url, process.ready_after_s
         endpoint = Endpoint(base_url=base_url, model=first_model(base_url), target=target)
         described = probe(endpoint)
         body = (described.get("server") or {}).get("body") or {}  # type: ignore[union-attr]
-        if target in recorder.records:
+        record = recorder.record(target)
+        if record.server_started:
             raise RuntimeError(
                 f"the {target} server was started twice in one session: its cases were not grouped"
             )
-        recorder.records[target] = TargetRecord(
-            target,
-            header={
-                "target": target,
-                "version": body.get("version") if isinstance(body, dict) else None,
-                "gpu": perf.machine["gpu"],
-                "model": perf.model_key,
+        record.server_started = True
+        record.header.update(
+            {
+                "version": body.get("version") if isinstance(body, dict) else record.header["version"],
                 "dtype": "bfloat16"
                 if perf.gpu
                 else (body.get("config", {}).get("dtype") if isinstance(body, dict) else None),
-                "workload": "seed-mix",
-                "profile": perf.profile.name,
-                "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                "machine": perf.machine,
                 "server_args": server_args,
                 "server": described.get("server"),
                 "server_ready_s": ready_after_s,
-            },
+            }
         )
         # Warm-up, kept out of every figure: a first trial on a cold server ran 7% high on the H200.
         run_closed_loop(
@@ -398,6 +453,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         terminalreporter.write_line(
             f"{target}: capacity {summary.get('capacity_req_s')} req/s (still rising: {summary.get('capacity_still_rising')}), {recorder.perf.trials} trial(s), profile {recorder.perf.profile.name}"
         )
+        for key, entry in (summary.get("offline") or {}).items():
+            terminalreporter.write_line(f"  offline {describe_entry(key, entry)}")
         for level in summary["closed_loop"]:
             terminalreporter.write_line(
                 f"  concurrency {level['concurrency']:g}: {level['output_tok_s']:.1f} tok/s (min {level['output_tok_s_min']:.1f}, max {level['output_tok_s_max']:.1f}), TTFT p50 {level['ttft_p50_s']:.3f} s, TPOT p50 {level['tpot_p50_s']:.4f} s"

@@ -362,3 +362,13 @@ def test_bench_offline_refuses_bad_options(tiny_model_dir, tmp_path):
     assert done.returncode == 2 and "not a folder" in done.stderr
     done = bench_offline(["--target", "engine", "--model", str(tiny_model_dir), "--single-tokens", "1"])
     assert done.returncode == 2 and "at least 2 tokens" in done.stderr
+
+
+def test_the_report_has_an_offline_table(tmp_path):
+    from bench.report import write_report
+
+    base = run_json(tmp_path / "a", {"all": entry(100.0, 10.0, 1.0), "probes": {"prefill_tok_s": 50.0}}, "a")
+    new = run_json(tmp_path / "b", {"all": entry(80.0, 14.0, 5.0), "closed-8": entry(1.0, 1.0, 1.0)}, "b")
+    page = write_report([base, new], tmp_path / "report.html").read_text()
+    assert "Offline: the step-level engine driven in process" in page
+    assert "closed-8" in page and "prepare ms" in page and "No levels" not in page
