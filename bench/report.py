@@ -191,7 +191,7 @@ def _offline_table(results: Sequence[Result]) -> str:
     head = "<th class='text'>mode</th><th class='text'>target</th>" + "".join(
         f"<th>{label}</th>" for _, label, _ in OFFLINE_COLUMNS
     )
-    body = []
+    body: list[str] = []
     for key in keys:
         for i, r in enumerate(entry for entry in results if key in entry.offline):
             cls = " class='first'" if i == 0 and body else ""
