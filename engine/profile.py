@@ -1,20 +1,41 @@
 """`python -m engine.profile --model DIR`: where the time of one decode step goes.
 
-Fills the engine with `--batch` requests of `--context` prompt tokens, runs a few decode steps under
-torch.profiler, and prints the step time, the bandwidth it achieves against the measured ceiling
-(weights + KV read per step / step time, against a large device-to-device copy), and the top
-operators. Used to decide what to speed up next; it changes nothing.
+For each `--batch` (default 1, 64 and 256 sequences of `--context` ~1,024 prompt tokens) it fills one
+engine, runs a few decode steps timed, then a few under torch.profiler, and prints the step time; the
+bandwidth it achieves against the measured ceiling (weights + KV read per step / step time, against a
+large device-to-device copy); the fraction of the step's wall time the GPU is busy (the profiler's
+device time / the step's wall time) and the kernel launches per step; the host's time per phase of
+the step (engine.timer: schedule, prepare, ...); and the top operators. `--json PATH` writes every
+figure. It drives the engine through its public API only, and changes nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from engine import EngineArgs, LLMEngine, SamplingParams
+
+DEFAULT_BATCHES = (1, 64, 256)
+# Host calls that launch work on the device: a kernel each, or a whole CUDA graph (one launch).
+LAUNCH_CALLS = frozenset(
+    {
+        "cudaLaunchKernel",
+        "cudaLaunchKernelExC",
+        "cudaLaunchCooperativeKernel",
+        "cuLaunchKernel",
+        "cuLaunchKernelEx",
+        "cudaGraphLaunch",
+    }
+)
 
 
 def copy_bandwidth_gbs(device: torch.device, size_bytes: int = 2 << 30) -> float:
@@ -40,52 +61,206 @@ def bytes_per_decode_step(engine: LLMEngine, batch: int, context: int) -> int:
     return weights + kv
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m engine.profile", description=__doc__)
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--context", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--max-model-len", type=int, default=4352)
-    parser.add_argument("--trace", help="write a Chrome trace here")
-    args = parser.parse_args(argv)
-    engine = LLMEngine(EngineArgs(model=args.model, max_model_len=args.max_model_len))
-    params = SamplingParams(max_tokens=args.max_model_len - args.context, temperature=0.0, ignore_eos=True)
-    for i in range(args.batch):
-        engine.add_request(str(i), [1000 + (i * 7 + j) % 29000 for j in range(args.context)], params)
+def device_figures(events: Iterable[Any], steps: int, step_s: float) -> dict[str, float]:
+    """From the profiler's events over `steps` steps: the device's busy time per step (kernels and
+    memory copies/sets, added up), its fraction of the step's wall time `step_s` (measured without
+    the profiler), the kernels run and the host's launch calls (a CUDA graph's replay is one) per step."""
+    busy_us = 0.0
+    kernels = launches = 0
+    for event in events:
+        if event.device_type == DeviceType.CUDA:
+            busy_us += event.time_range.elapsed_us()
+            kernels += not event.name.startswith(("Memcpy", "Memset"))
+        elif event.name in LAUNCH_CALLS:
+            launches += 1
+    busy_ms = busy_us / 1e3 / steps
+    return {
+        "gpu_busy_ms_per_step": busy_ms,
+        "gpu_busy_fraction": busy_ms / (step_s * 1e3),
+        "kernel_launches_per_step": launches / steps,
+        "device_kernels_per_step": kernels / steps,
+    }
+
+
+def top_operators(prof: Any, steps: int, on_cuda: bool, limit: int = 15) -> list[dict[str, Any]]:
+    """The operators that took the most device time (CPU time on CPU), per step."""
+    averages = list(prof.key_averages())
+    key = "self_device_time_total" if on_cuda else "self_cpu_time_total"
+    averages.sort(key=lambda average: getattr(average, key), reverse=True)
+    return [
+        {
+            "name": average.key,
+            "calls_per_step": average.count / steps,
+            "self_cpu_ms_per_step": average.self_cpu_time_total / 1e3 / steps,
+            "self_device_ms_per_step": average.self_device_time_total / 1e3 / steps if on_cuda else None,
+        }
+        for average in averages[:limit]
+    ]
+
+
+def profile_batch(
+    engine: LLMEngine, batch: int, context: int, steps: int, max_model_len: int, trace: str | None
+) -> tuple[dict[str, Any], Any]:
+    """Fill the engine with `batch` sequences of `context` prompt tokens, prefill them, time `steps`
+    decode steps, then profile as many; abort them all at the end, so the next batch starts empty."""
+    params = SamplingParams(max_tokens=max_model_len - context, temperature=0.0, ignore_eos=True)
+    request_ids = [f"profile-{batch}-{i}" for i in range(batch)]
+    for i, request_id in enumerate(request_ids):
+        engine.add_request(request_id, [1000 + (i * 7 + j) % 29000 for j in range(context)], params)
     while any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()  # prefill
     for _ in range(3):
         engine.step()  # warm-up decodes
-    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    on_cuda = engine.device.type == "cuda"
+    sync = torch.cuda.synchronize if on_cuda else (lambda: None)
     sync()
+    engine.timer.reset()
     start = time.perf_counter()
-    for _ in range(args.steps):
+    for _ in range(steps):
         engine.step()
     sync()
-    step_s = (time.perf_counter() - start) / args.steps
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    step_s = (time.perf_counter() - start) / steps
+    host = engine.timer.summary()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     with profile(activities=activities) as prof:
-        for _ in range(args.steps):
+        for _ in range(steps):
             engine.step()
         sync()
-    print(
-        f"decode step: {step_s * 1e3:.2f} ms for {args.batch} sequences of ~{args.context} tokens ({args.batch / step_s:.0f} tok/s)"
-    )
-    moved = bytes_per_decode_step(engine, args.batch, args.context)
-    achieved = moved / step_s / 1e9
-    if engine.device.type == "cuda":
-        ceiling = copy_bandwidth_gbs(engine.device)
-        print(
-            f"moved >= {moved / 1e9:.2f} GB per step: {achieved:.0f} GB/s, {100 * achieved / ceiling:.1f}% of the measured copy bandwidth {ceiling:.0f} GB/s"
+    for request_id in request_ids:
+        engine.abort(request_id)
+    if trace:
+        prof.export_chrome_trace(trace)
+    moved = bytes_per_decode_step(engine, batch, context)
+    figures: dict[str, Any] = {
+        "batch": batch,
+        "context": context,
+        "step_ms": step_s * 1e3,
+        "tok_s": batch / step_s,
+        "bytes_per_step": moved,
+        "achieved_gbs": moved / step_s / 1e9,
+        # engine.timer over the timed steps: where the host's time goes (`execute` includes the wait
+        # for the GPU: the sampled tokens are read back at its end)
+        "host_ms": {key: value for key, value in host.items() if key.endswith("_ms")},
+        "prepare_ms": host.get("prepare_ms"),
+        "gpu_busy_ms_per_step": None,
+        "gpu_busy_fraction": None,
+        "kernel_launches_per_step": None,
+        "device_kernels_per_step": None,
+    }
+    if on_cuda:
+        figures.update(device_figures(prof.events(), steps, step_s))
+    figures["top_operators"] = top_operators(prof, steps, on_cuda)
+    return figures, prof
+
+
+def report(figures: dict[str, Any], ceiling_gbs: float | None) -> list[str]:
+    """The lines printed for one batch."""
+    batch, step_ms = figures["batch"], figures["step_ms"]
+    lines = [
+        f"decode step: {step_ms:.2f} ms for {batch} sequences of ~{figures['context']} tokens ({figures['tok_s']:.0f} tok/s)"
+    ]
+    moved_gb, achieved = figures["bytes_per_step"] / 1e9, figures["achieved_gbs"]
+    if ceiling_gbs:
+        lines.append(
+            f"  moved >= {moved_gb:.2f} GB per step: {achieved:.0f} GB/s, {100 * achieved / ceiling_gbs:.1f}% of the measured copy bandwidth {ceiling_gbs:.0f} GB/s"
         )
     else:
-        print(f"moved >= {moved / 1e9:.3f} GB per step: {achieved:.1f} GB/s")
-    sort = "cuda_time_total" if engine.device.type == "cuda" else "cpu_time_total"
-    print(prof.key_averages().table(sort_by=sort, row_limit=25))
-    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15))
-    if args.trace:
-        prof.export_chrome_trace(args.trace)
+        lines.append(f"  moved >= {moved_gb:.3f} GB per step: {achieved:.1f} GB/s")
+    if figures["gpu_busy_fraction"] is not None:
+        lines.append(
+            f"  GPU busy {figures['gpu_busy_ms_per_step']:.2f} ms per step: {100 * figures['gpu_busy_fraction']:.1f}% of the step's wall time; "
+            f"{figures['kernel_launches_per_step']:.0f} kernel launches per step ({figures['device_kernels_per_step']:.0f} kernels ran)"
+        )
+    else:
+        lines.append("  GPU busy: - (no CUDA device: no device figures)")
+    phases = ", ".join(
+        f"{name.removesuffix('_ms')} {value:.2f}"
+        for name, value in figures["host_ms"].items()
+        if name != "step_ms"
+    )
+    lines.append(f"  host per step (ms): {phases}; prepare a step {figures['prepare_ms']:.2f} ms")
+    return lines
+
+
+def _trace_path(trace: str | None, batch: int, batches: Sequence[int]) -> str | None:
+    if not trace or len(batches) == 1:
+        return trace
+    path = Path(trace)
+    return str(path.with_name(f"{path.stem}-b{batch}{path.suffix}"))
+
+
+def _batches(text: str) -> tuple[int, ...]:
+    try:
+        batches = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of batch sizes, got {text!r}"
+        ) from exc
+    if not batches or min(batches) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes must be >= 1, got {text!r}")
+    return batches
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="python -m engine.profile", description=__doc__)
+    parser.add_argument("--model", required=True)
+    parser.add_argument(
+        "--batch",
+        type=_batches,
+        default=DEFAULT_BATCHES,
+        help="sequences per step, a comma list (default 1,64,256)",
+    )
+    parser.add_argument("--context", type=int, default=1024, help="prompt tokens of each sequence")
+    parser.add_argument("--steps", type=int, default=5, help="decode steps timed, then as many profiled")
+    parser.add_argument("--max-model-len", type=int, default=4352)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--trace", help="write a Chrome trace here (one a batch: NAME-bB.json)")
+    parser.add_argument("--json", help="write every figure here")
+    parser.add_argument("--no-tables", action="store_true", help="leave out the top-operator tables")
+    args = parser.parse_args(argv)
+    engine = LLMEngine(
+        EngineArgs(
+            model=args.model,
+            max_model_len=args.max_model_len,
+            max_num_seqs=max(256, *args.batch),
+            dtype=args.dtype,
+        )
+    )
+    ceiling = copy_bandwidth_gbs(engine.device) if engine.device.type == "cuda" else None
+    results = []
+    for batch in args.batch:
+        figures, prof = profile_batch(
+            engine,
+            batch,
+            args.context,
+            args.steps,
+            args.max_model_len,
+            _trace_path(args.trace, batch, args.batch),
+        )
+        figures["ceiling_fraction"] = figures["achieved_gbs"] / ceiling if ceiling else None
+        results.append(figures)
+        print("\n".join(report(figures, ceiling)))
+        if not args.no_tables:
+            sort = "cuda_time_total" if engine.device.type == "cuda" else "cpu_time_total"
+            print(prof.key_averages().table(sort_by=sort, row_limit=25))
+            print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15))
+    out = {
+        "model": args.model,
+        "device": str(engine.device),
+        "gpu": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else None,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "torch": torch.__version__,
+        "context": args.context,
+        "steps": args.steps,
+        "copy_ceiling_gbs": ceiling,
+        "config": engine.config_dict(),
+        "batches": results,
+    }
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return out
 
 
 if __name__ == "__main__":

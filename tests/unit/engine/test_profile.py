@@ -1,9 +1,16 @@
-"""`python -m engine.profile` runs on CPU and reports the step time and the bytes a step must move."""
+"""`python -m engine.profile` runs on CPU and reports, per batch, the step time, the bytes a step must
+move, the host's time per phase, and (from the profiler's device events) the GPU-busy fraction and
+kernel launches per step."""
 
 from __future__ import annotations
 
+import json
+from types import SimpleNamespace
+
+from torch.autograd import DeviceType
+
 from engine import EngineArgs, LLMEngine
-from engine.profile import bytes_per_decode_step, main
+from engine.profile import DEFAULT_BATCHES, bytes_per_decode_step, device_figures, main
 
 
 def test_bytes_per_decode_step_counts_weights_once_and_each_sequence_kv(tiny_model_dir):
@@ -15,20 +22,59 @@ def test_bytes_per_decode_step_counts_weights_once_and_each_sequence_kv(tiny_mod
     assert bytes_per_decode_step(engine, batch=3, context=100) == weights + 3 * 100 * kv_per_token
 
 
-def test_profile_cli_prints_step_time_and_bandwidth(tiny_model_dir, capsys):
-    main(
+def event(name: str, device: DeviceType, microseconds: float = 0.0) -> SimpleNamespace:
+    return SimpleNamespace(
+        name=name, device_type=device, time_range=SimpleNamespace(elapsed_us=lambda: microseconds)
+    )
+
+
+def test_device_figures_add_up_device_time_and_count_launches_per_step():
+    events = [
+        event("aten::mm", DeviceType.CPU),
+        event("cudaLaunchKernel", DeviceType.CPU),
+        event("cuLaunchKernel", DeviceType.CPU),  # a Triton kernel
+        event("cudaGraphLaunch", DeviceType.CPU),  # a graph's replay: one launch
+        event("ampere_sgemm", DeviceType.CUDA, 3000.0),
+        event("triton_decode", DeviceType.CUDA, 2000.0),
+        event("Memcpy HtoD (Pinned -> Device)", DeviceType.CUDA, 1000.0),
+    ] * 2  # two steps
+    figures = device_figures(events, steps=2, step_s=0.012)
+    assert figures == {
+        "gpu_busy_ms_per_step": 6.0,
+        "gpu_busy_fraction": 0.5,
+        "kernel_launches_per_step": 3.0,
+        "device_kernels_per_step": 2.0,
+    }
+
+
+def test_profile_cli_prints_and_writes_every_batchs_figures(tiny_model_dir, capsys, tmp_path):
+    assert DEFAULT_BATCHES == (1, 64, 256)
+    out = main(
         [
             "--model",
             str(tiny_model_dir),
             "--batch",
-            "2",
+            "1,3",
             "--context",
             "32",
             "--steps",
             "2",
             "--max-model-len",
             "512",
+            "--json",
+            str(tmp_path / "profile.json"),
         ]
     )
-    out = capsys.readouterr().out
-    assert "decode step:" in out and "moved >=" in out
+    printed = capsys.readouterr().out
+    assert printed.count("decode step:") == 2 and "moved >=" in printed and "host per step" in printed
+    assert "no CUDA device" in printed
+    written = json.loads((tmp_path / "profile.json").read_text())
+    assert written == json.loads(json.dumps(out))
+    assert written["device"] == "cpu" and written["copy_ceiling_gbs"] is None
+    assert [figures["batch"] for figures in written["batches"]] == [1, 3]
+    for figures in written["batches"]:
+        assert figures["step_ms"] > 0 and figures["tok_s"] > 0 and figures["bytes_per_step"] > 0
+        assert figures["gpu_busy_fraction"] is None and figures["kernel_launches_per_step"] is None
+        assert figures["prepare_ms"] > 0
+        assert {"schedule_ms", "prepare_ms", "execute_ms", "step_ms"} <= set(figures["host_ms"])
+        assert figures["top_operators"] and figures["top_operators"][0]["calls_per_step"] > 0
