@@ -146,6 +146,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.scheduler_config, self.allocator, self.model_config.eos_token_ids)
         self._requests: dict[str, _RequestState] = {}
         self._seq_ids = itertools.count()
+        self._undelivered: SchedulerOutput | None = None  # a step whose outputs the next step() returns
         self.timer = StepTimer()  # per-phase wall time of `step`, read by bench offline and engine.profile
         logger.info(
             "engine ready: %s on %s in %s, %d KV blocks of %d tokens, %s attention, %s",
@@ -221,15 +222,25 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """True while anything is scheduled or waiting, or a step's outputs are not yet delivered."""
+        return self.scheduler.has_unfinished() or self._undelivered is not None
 
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Run one step and return the outputs of the step before it.
+
+        The previous step's output work (detokenizing, stop strings, RequestOutputs) runs while the
+        GPU computes this one, so each step's outputs come back from the next call to `step` (the
+        last ones from a call that schedules nothing). The scheduler itself is updated as soon as
+        a step's tokens arrive. A sequence that a stop string ends during that output work was
+        already scheduled again: its extra token is dropped, as for an abort.
+        """
         timer = self.timer
         with timer.phase("schedule"):
             scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
-            return []
+            with timer.phase("outputs"):
+                return self._deliver()
         timer.num_steps += 1
         with timer.phase("prepare"):
             batch = self.runner.prepare(
@@ -237,11 +248,21 @@ class LLMEngine:
                 {s.seq.seq_id: self.allocator.block_table(s.seq.seq_id) for s in scheduled.scheduled},
             )
         with timer.phase("execute"):
-            token_ids = self.runner.execute(batch)
-        with timer.phase("update"):
-            self.scheduler.update(scheduled, token_ids)
+            pending = self.runner.launch(batch)
         with timer.phase("outputs"):
-            return self._outputs(scheduled)
+            outputs = self._deliver()
+        with timer.phase("execute"):
+            token_ids = pending.result()
+        with timer.phase("update"):
+            for seq in self.scheduler.update(scheduled, token_ids):
+                self.runner.release(seq.seq_id)  # its blocks are free: so is its table row
+        self._undelivered = scheduled
+        return outputs
+
+    def _deliver(self) -> list[RequestOutput]:
+        """Outputs of the last step whose tokens the scheduler has applied, if not yet delivered."""
+        scheduled, self._undelivered = self._undelivered, None
+        return self._outputs(scheduled) if scheduled is not None else []
 
     def _outputs(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
         outputs = []

@@ -90,6 +90,9 @@ class ModelRunner:
         )
         self.tables = BlockTableRows(max_seqs, max_blocks)
         self.graphs: CudaGraphRunner | None = None
+        # Where sampled tokens land on the host: pinned, so the copy back does not block the host.
+        pin = config.device.type == "cuda"
+        self._sampled_host = torch.zeros(max_seqs, dtype=torch.int64, pin_memory=pin)
 
     # -- KV cache ----------------------------------------------------------------------------
     @property
@@ -287,9 +290,13 @@ class ModelRunner:
         self._generators.pop(seq_id, None)
         self.tables.drop(seq_id)
 
-    @torch.inference_mode()
     def execute(self, batch: Batch) -> list[int]:
-        """Forward + sampling; the tokens come back in the order the scheduler listed the sampling sequences."""
+        """Forward + sampling, waited for: `launch(batch).result()`."""
+        return self.launch(batch).result()
+
+    @torch.inference_mode()
+    def launch(self, batch: Batch) -> PendingTokens:
+        """Queue the forward pass and the sampling; the tokens arrive later (PendingTokens.result)."""
         buffers = self.buffers
         if batch.graph_size:
             assert self.graphs is not None
@@ -301,10 +308,37 @@ class ModelRunner:
                     buffers.input_ids[: batch.num_tokens], buffers.positions[: batch.num_tokens]
                 )
         if not batch.params:
-            return []
+            return PendingTokens(None, None, [])
         logits = self.model.compute_logits(hidden[buffers.sample_indices[: batch.num_sampled]])
         tokens = sample(logits, batch.params, batch.generators)
+        if self.device.type != "cuda":
+            return PendingTokens(tokens, None, batch.sample_order)
+        host = self._sampled_host[: len(tokens)]
+        host.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return PendingTokens(host, done, batch.sample_order)
+
+
+class PendingTokens:
+    """A step's sampled tokens on their way to the host; `result()` waits for them.
+
+    The engine does the previous step's output work between `launch` and `result`, while the GPU runs.
+    """
+
+    def __init__(self, tokens: torch.Tensor | None, done: torch.cuda.Event | None, order: list[int]) -> None:
+        self._tokens = tokens
+        self._done = done
+        self._order = order
+
+    def result(self) -> list[int]:
+        """The tokens in the order the scheduler listed the sampling sequences."""
+        if self._tokens is None:
+            return []
+        if self._done is not None:
+            self._done.synchronize()
+        tokens = self._tokens.tolist()
         ordered = [0] * len(tokens)
-        for rank, token in zip(batch.sample_order, tokens, strict=True):
+        for rank, token in zip(self._order, tokens, strict=True):
             ordered[rank] = token
         return ordered

@@ -1,6 +1,7 @@
 """Token selection from the last hidden state's logits: greedy, temperature, top-k, top-p, seeds.
 
-Greedy rows take the argmax in one batched op. Random rows are scaled, filtered by top-k then top-p,
+Greedy rows take the argmax in one batched op; the tokens stay on the device (the runner copies them
+back without blocking, so the host can work while the GPU finishes the step). Random rows are scaled, filtered by top-k then top-p,
 and drawn with each sequence's own torch.Generator, so a seeded request gets the same tokens whatever
 else shares its batch.
 """
@@ -34,8 +35,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
 
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-) -> list[int]:
-    """logits [rows, vocab] float32 -> one token id per row."""
+) -> torch.Tensor:
+    """logits [rows, vocab] float32 -> [rows] int64 token ids, on logits' device (no host sync)."""
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
@@ -48,4 +49,4 @@ def sample(
         probs = rows.softmax(dim=-1)
         for j, i in enumerate(random_rows):
             tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
-    return tokens.tolist()
+    return tokens
