@@ -140,7 +140,9 @@ TARGETS: dict[str, Callable[[str, str, int, int], Target]] = {"engine": EngineTa
 
 @dataclasses.dataclass
 class ModeResult:
-    """One mode's rows and how many steps it took (`step_ms`: mean wall time of one step() call)."""
+    """One mode's rows and how many steps it took: `steps` counts the step() calls that returned
+    tokens, `step_ms` is the wall time of all calls / `steps` (a call that returned none, as the last
+    one may, costs little and is counted in the time), so both targets' figures mean the same."""
 
     rows: list[RequestRow]
     steps: int = 0
@@ -206,7 +208,7 @@ class Driver:
             before = time.perf_counter()
             advanced = self.target.step()
             after = time.perf_counter()
-            steps += 1
+            steps += bool(advanced)
             step_s += after - before
             t = after - self.zero
             for request_id, new_tokens, finished in advanced:
