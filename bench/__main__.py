@@ -251,7 +251,12 @@ def command_offline(args: argparse.Namespace, parser: argparse.ArgumentParser) -
             model_dir=str(Path(args.model).resolve()),
             dtype=args.dtype,
             workload=WorkloadSpec(
-                args.workload, args.seed, args.token_range, args.input_len, args.output_len, args.dataset
+                args.workload,
+                args.seed,
+                args.token_range,
+                args.input_len,
+                args.output_len,
+                str(Path(args.dataset).resolve()) if args.dataset else None,  # the worker runs elsewhere
             ),
             load=OfflineLoad(
                 n_requests=args.n_requests,
