@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -142,14 +143,16 @@ class ModelRunner:
             left -= lengths[-1]
         counts = [-(-n // self.block_size) for n in lengths]
         self.allocate_kv_cache(sum(counts))
-        rows = np.zeros((len(lengths), self.buffers.capacity.max_blocks_per_seq), dtype=np.int32)
+        # Rows of the table array, unused at start-up (no sequence holds one yet), as scratch tables.
+        rows = self.tables.array[: len(lengths)]
         first = 0
         for i, count in enumerate(counts):
             rows[i, :count] = np.arange(first, first + count)
             first += count
         num_tokens = sum(lengths)
         ids = np.random.default_rng(0).integers(0, self.config.vocab_size, num_tokens)
-        meta = self._fill(np.zeros(len(lengths), np.int64), np.array(lengths), ids, rows)
+        meta = self._fill(np.zeros(len(lengths), np.int64), np.array(lengths), ids, range(len(lengths)))
+        rows[:] = 0
         self.backend.prepare(meta)
         with forward_context(meta):
             hidden = self.model(self.buffers.input_ids[:num_tokens], self.buffers.positions[:num_tokens])
@@ -191,12 +194,12 @@ class ModelRunner:
 
     # -- one step ------------------------------------------------------------------------------
     def _fill(
-        self, starts: np.ndarray, query_lens: np.ndarray, token_ids: np.ndarray, table_rows: np.ndarray
+        self, starts: np.ndarray, query_lens: np.ndarray, token_ids, rows: Sequence[int]
     ) -> AttentionMetadata:
         """Write a step into the host buffers and build its metadata (before upload).
 
         starts[i]: tokens already cached for sequence i; query_lens[i]: tokens computed now;
-        token_ids: the step's tokens, flattened; table_rows[i]: sequence i's block table row.
+        token_ids: the step's tokens, flattened; rows[i]: sequence i's row of self.tables.array.
         """
         buffers = self.buffers
         n, num_tokens = len(starts), int(query_lens.sum())
@@ -207,11 +210,12 @@ class ModelRunner:
         positions = np.arange(num_tokens) + np.repeat(starts - query_start[:-1], query_lens)
         buffers.host_input_ids[:num_tokens] = token_ids
         buffers.host_positions[:num_tokens] = positions
+        table_rows = buffers.host_block_tables[:n]
+        np.take(self.tables.array, rows, axis=0, out=table_rows)
         blocks = table_rows[seq_of_token, positions // self.block_size]
         buffers.host_slot_mapping[:num_tokens] = blocks * self.block_size + positions % self.block_size
         seq_lens = starts + query_lens
         buffers.host_seq_lens[:n] = seq_lens
-        buffers.host_block_tables[:n] = table_rows
         num_decodes = int(np.argmax(query_lens != 1)) if (query_lens != 1).any() else n
         return AttentionMetadata(
             slot_mapping=buffers.slot_mapping[:num_tokens],
@@ -228,25 +232,40 @@ class ModelRunner:
         """block_tables: each scheduled sequence's table (by seq_id), already grown for this step."""
         for seq in out.preempted:  # their blocks were freed: the cached rows are stale
             self.tables.drop(seq.seq_id)
-        items = sorted(out.scheduled, key=lambda item: item.num_tokens != 1)
+        items = out.scheduled
+        in_order = all(item.num_tokens == 1 for item in items[: sum(i.num_tokens == 1 for i in items)])
+        if not in_order:  # a one-token prefill chunk after longer ones: decodes must come first
+            items = sorted(items, key=lambda item: item.num_tokens != 1)
         n = len(items)
-        starts = np.fromiter((item.start for item in items), dtype=np.int64, count=n)
-        query_lens = np.fromiter((item.num_tokens for item in items), dtype=np.int64, count=n)
+        starts: list[int] = []
+        query_lens: list[int] = []
         token_ids: list[int] = []
-        for item in items:
-            token_ids += item.seq.token_slice(item.start, item.start + item.num_tokens)
-        rows = [self.tables.row(item.seq.seq_id, block_tables[item.seq.seq_id]) for item in items]
-        meta = self._fill(starts, query_lens, np.asarray(token_ids), self.tables.array[rows])
-        sampling_rank = {id(item): rank for rank, item in enumerate(i for i in out.scheduled if i.samples)}
-        sample_rows, sample_order, params, generators = [], [], [], []
+        rows: list[int] = []
+        sample_rows: list[int] = []
+        sample_order: list[int] = []
+        params: list[SamplingParams] = []
+        generators: list[torch.Generator | None] = []
+        sampling_rank = (
+            {id(item): rank for rank, item in enumerate(i for i in out.scheduled if i.samples)}
+            if not in_order
+            else None
+        )
         end = 0
-        for item in items:
-            end += item.num_tokens
+        for item in items:  # one pass: this loop is the host cost of a step at hundreds of sequences
+            seq, start, num = item.seq, item.start, item.num_tokens
+            starts.append(start)
+            query_lens.append(num)
+            token_ids += seq.token_slice(start, start + num)
+            rows.append(self.tables.row(seq.seq_id, block_tables[seq.seq_id]))
+            end += num
             if item.samples:
                 sample_rows.append(end - 1)
-                sample_order.append(sampling_rank[id(item)])
-                params.append(item.seq.params)
-                generators.append(self._generator(item.seq.seq_id, item.seq.params))
+                sample_order.append(len(sample_order) if sampling_rank is None else sampling_rank[id(item)])
+                params.append(seq.params)
+                generators.append(None if seq.params.greedy else self._generator(seq.seq_id, seq.params))
+        meta = self._fill(
+            np.array(starts, dtype=np.int64), np.array(query_lens, dtype=np.int64), token_ids, rows
+        )
         self.buffers.host_sample_indices[: len(sample_rows)] = sample_rows
         num_tokens = len(token_ids)
         graph_size = 0

@@ -80,10 +80,10 @@ def test_fill_writes_a_mixed_step(tiny_model_dir):
 
     engine = LLMEngine(EngineArgs(model=str(tiny_model_dir), device="cpu", block_size=4, max_model_len=64))
     runner = engine.runner
-    rows = np.zeros((2, runner.buffers.capacity.max_blocks_per_seq), dtype=np.int32)
-    rows[0, :2] = [2, 0]  # a decode at position 5: block index 1 -> block 0, offset 1
+    rows = runner.tables.array
+    rows[3, :2] = [2, 0]  # a decode at position 5: block index 1 -> block 0, offset 1
     rows[1, :1] = [1]  # a prefill chunk of 3 tokens from position 0: block 1
-    meta = runner._fill(np.array([5, 0]), np.array([1, 3]), np.array([11, 12, 13, 14]), rows)
+    meta = runner._fill(np.array([5, 0]), np.array([1, 3]), np.array([11, 12, 13, 14]), [3, 1])
     buffers = runner.buffers
     assert buffers.host_input_ids[:4].tolist() == [11, 12, 13, 14]
     assert buffers.host_positions[:4].tolist() == [5, 0, 1, 2]
