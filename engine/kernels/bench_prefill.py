@@ -1,0 +1,222 @@
+"""Micro-benchmark of paged prefill attention on CUDA at qwen2.5-1.5b's shapes (12 query heads, 2 KV heads,
+head_dim 128, block 16, bf16): ms a launch, causal TFLOP/s against a measured bf16 matmul ceiling, and the
+time of the torch path it replaces (per-sequence SDPA in a Python loop, as engine/attention/torch_backend.py
+does). `python -m engine.kernels.bench_prefill [--json PATH] [--sweep]`; `--sweep` also times other tiles,
+to tune prefill_attention._default_tile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from engine.attention.metadata import context_slots
+from engine.kernels.prefill_attention import _paged_prefill_attention, paged_prefill_attention
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 12, 2, 128, 16, torch.bfloat16
+# (name, [(tokens cached before, chunk length)] of one step)
+CASES: list[tuple[str, list[tuple[int, int]]]] = [
+    ("2 prompts x 4096", [(0, 4096)] * 2),
+    ("8 chunks x 1024 @0", [(0, 1024)] * 8),
+    ("8 chunks x 1024 @1024", [(1024, 1024)] * 8),
+    ("8 chunks x 1024 @3072", [(3072, 1024)] * 8),
+    ("16 prompts x 512", [(0, 512)] * 16),
+]
+# The torch backend's SDPA choice (flash where it applies; an explicit mask falls to memory-efficient).
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+SWEEP_TILES = [(m, n, w, s) for m in (64, 128) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
+
+
+def time_ms(call: Callable[[], object]) -> float:
+    """Median milliseconds a call (eager launches, L2 flushed between calls), after warm-up."""
+    return float(triton.testing.do_bench(call, warmup=50, rep=300, return_mode="median"))
+
+
+def matmul_ceiling_tflops(device: torch.device) -> float:
+    """A dense bf16 8192^3 matmul: the practical tensor-core ceiling."""
+    a = torch.randn(8192, 8192, dtype=DTYPE, device=device)
+    b = torch.randn(8192, 8192, dtype=DTYPE, device=device)
+    return 2 * 8192**3 / time_ms(lambda: a @ b) / 1e9
+
+
+class Step:
+    """One prefill step's tensors: a qkv buffer with query/key/value views, the paged cache holding every
+    chunk's context (the step's K/V already stored), block tables drawn from a random permutation."""
+
+    def __init__(self, chunks: list[tuple[int, int]], device: torch.device) -> None:
+        self.chunks = chunks
+        q_lens = [q_len for _, q_len in chunks]
+        self.seq_lens_cpu = [cached + q_len for cached, q_len in chunks]
+        self.starts_cpu = [0]
+        for q_len in q_lens:
+            self.starts_cpu.append(self.starts_cpu[-1] + q_len)
+        num_tokens = self.starts_cpu[-1]
+        self.max_query_len = max(q_lens)
+        blocks_per_seq = triton.cdiv(max(self.seq_lens_cpu), BLOCK_SIZE)
+        num_blocks = len(chunks) * blocks_per_seq
+        self.kv_cache = torch.randn(
+            2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=device
+        )
+        order = torch.randperm(num_blocks, device=device).to(torch.int32)
+        self.block_tables = order.view(len(chunks), blocks_per_seq).contiguous()
+        # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim], as the fused qkv projection writes it
+        qkv = torch.randn(num_tokens, (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, dtype=DTYPE, device=device)
+        key_start, value_start = NUM_HEADS * HEAD_DIM, (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM
+        self.query = qkv[:, :key_start].view(num_tokens, NUM_HEADS, HEAD_DIM)
+        self.key = qkv[:, key_start:value_start].view(num_tokens, NUM_KV_HEADS, HEAD_DIM)
+        self.value = qkv[:, value_start:].view(num_tokens, NUM_KV_HEADS, HEAD_DIM)
+        # Store the step's K/V at its slots, as store_kv does before attention runs.
+        flat = self.kv_cache.flatten(1, 2)  # [2, num_slots, num_kv_heads, head_dim]
+        for i, (cached, q_len) in enumerate(chunks):
+            slots = context_slots(self.block_tables[i : i + 1], cached + q_len, BLOCK_SIZE)[0, cached:]
+            rows = slice(self.starts_cpu[i], self.starts_cpu[i + 1])
+            flat[0][slots] = self.key[rows]
+            flat[1][slots] = self.value[rows]
+        self.query_start_loc = torch.tensor(self.starts_cpu, dtype=torch.int32, device=device)
+        self.seq_lens = torch.tensor(self.seq_lens_cpu, dtype=torch.int32, device=device)
+        self.out = torch.empty_like(self.query)
+        self.scale = HEAD_DIM**-0.5
+
+    def causal_flops(self) -> int:
+        """4 * head_dim * num_heads per (query row, key it attends): QK^T and PV, the causal half only."""
+        attended = sum(q_len * cached + q_len * (q_len + 1) // 2 for cached, q_len in self.chunks)
+        return 4 * attended * HEAD_DIM * NUM_HEADS
+
+    def run_triton(self, tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+        args = (
+            self.query, self.kv_cache[0], self.kv_cache[1], self.block_tables, self.query_start_loc,
+            self.seq_lens, self.scale, self.max_query_len,
+        )  # fmt: skip
+        if tile is None:
+            return paged_prefill_attention(*args, out=self.out)
+        block_m, block_n, num_warps, num_stages = tile
+        return _paged_prefill_attention(
+            *args, self.out, block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages
+        )
+
+    def run_torch(self) -> torch.Tensor:
+        """The torch backend's prefill: per sequence, SDPA on the chunk's own K/V (is_causal) when it starts
+        the sequence, else K/V gathered from the cache by slot with an explicit offset causal mask."""
+        out = torch.empty_like(self.query)
+        flat = self.kv_cache.flatten(1, 2)
+        for i, (cached, q_len) in enumerate(self.chunks):
+            rows = slice(self.starts_cpu[i], self.starts_cpu[i + 1])
+            q = self.query[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, dim]
+            with sdpa_kernel(SDPA_BACKENDS):
+                if cached == 0:
+                    k = self.key[rows].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, q_len, dim]
+                    v = self.value[rows].transpose(0, 1).unsqueeze(0)
+                    result = F.scaled_dot_product_attention(
+                        q, k, v, is_causal=True, scale=self.scale, enable_gqa=True
+                    )
+                else:
+                    context = cached + q_len
+                    slots = context_slots(self.block_tables[i : i + 1], context, BLOCK_SIZE)[0]
+                    k = flat[0][slots].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, context, dim]
+                    v = flat[1][slots].transpose(0, 1).unsqueeze(0)
+                    positions = torch.arange(q_len, device=q.device)[:, None] + cached
+                    mask = torch.arange(context, device=q.device)[None, :] <= positions
+                    result = F.scaled_dot_product_attention(
+                        q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True
+                    )
+            out[rows] = result[0].transpose(0, 1)
+        return out
+
+
+def bench_case(
+    name: str, chunks: list[tuple[int, int]], device: torch.device, ceiling: float, sweep: bool
+) -> dict:
+    step = Step(chunks, device)
+    flops = step.causal_flops()
+    difference = (step.run_triton().float() - step.run_torch().float()).abs().max().item()
+    triton_ms = time_ms(step.run_triton)
+    torch_ms = time_ms(step.run_torch)
+    tflops = flops / triton_ms / 1e9
+    print(
+        f"{name:<24} {sum(q for _, q in chunks):>7} {triton_ms:>9.3f} {tflops:>8.1f} "
+        f"{tflops / ceiling:>8.1%} {torch_ms:>9.3f} {flops / torch_ms / 1e9:>8.1f} {torch_ms / triton_ms:>7.2f}x {difference:>9.2e}"
+    )
+    result: dict = {
+        "case": name,
+        "chunks": [list(chunk) for chunk in chunks],
+        "causal_flops": flops,
+        "triton_ms": triton_ms,
+        "triton_tflops": tflops,
+        "fraction_of_matmul": tflops / ceiling,
+        "torch_ms": torch_ms,
+        "torch_tflops": flops / torch_ms / 1e9,
+        "speedup": torch_ms / triton_ms,
+        "max_abs_difference": difference,
+    }
+    if sweep:
+        result["sweep"] = sweep_case(step, flops)
+    return result
+
+
+def sweep_case(step: Step, flops: int) -> list[dict]:
+    """Every (BLOCK_M, BLOCK_N, num_warps, num_stages) in SWEEP_TILES; prints the five fastest."""
+    timed: list[tuple[float, tuple[int, int, int, int]]] = []
+    for tile in SWEEP_TILES:
+        try:
+            timed.append((time_ms(functools.partial(step.run_triton, tile)), tile))
+        except Exception as error:  # a tile that does not fit (shared memory, registers)
+            print(f"    tile {tile}: {type(error).__name__}: {str(error)[:80]}")
+    timed.sort()
+    for milliseconds, (block_m, block_n, num_warps, num_stages) in timed[:5]:
+        print(
+            f"    sweep: BLOCK_M {block_m:>3} BLOCK_N {block_n:>3} warps {num_warps} stages {num_stages}: "
+            f"{milliseconds:.3f} ms, {flops / milliseconds / 1e9:.1f} TFLOP/s"
+        )
+    return [
+        {"tile": list(tile), "ms": milliseconds, "tflops": flops / milliseconds / 1e9}
+        for milliseconds, tile in timed
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.kernels.bench_prefill", description=__doc__)
+    parser.add_argument("--json", type=Path, help="write the figures to this JSON file")
+    parser.add_argument("--sweep", action="store_true", help="also time other tile configurations")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_prefill needs a CUDA device (torch.cuda.is_available() is False); nothing to measure.")
+        return 2
+    device = torch.device("cuda")
+    properties = torch.cuda.get_device_properties(device)
+    ceiling = matmul_ceiling_tflops(device)
+    print(f"{properties.name}, {properties.multi_processor_count} SMs; bf16 matmul: {ceiling:.0f} TFLOP/s")
+    print(
+        f"\npaged_prefill_attention: {NUM_HEADS} heads, {NUM_KV_HEADS} KV heads, head_dim {HEAD_DIM}, "
+        f"block {BLOCK_SIZE}, bf16; TFLOP/s count the causal half only"
+    )
+    print(
+        f"{'case':<24} {'tokens':>7} {'ms':>9} {'TFLOP/s':>8} {'of mm':>8} "
+        f"{'torch ms':>9} {'TFLOP/s':>8} {'speedup':>8} {'max diff':>9}"
+    )
+    cases = [bench_case(name, chunks, device, ceiling, args.sweep) for name, chunks in CASES]
+    figures = {
+        "device": properties.name,
+        "num_sms": properties.multi_processor_count,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "matmul_tflops": ceiling,
+        "prefill": cases,
+    }
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(figures, indent=2) + "\n")
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
