@@ -143,7 +143,8 @@ def bench_case(
     tflops = flops / triton_ms / 1e9
     print(
         f"{name:<24} {sum(q for _, q in chunks):>7} {triton_ms:>9.3f} {tflops:>8.1f} "
-        f"{tflops / ceiling:>8.1%} {torch_ms:>9.3f} {flops / torch_ms / 1e9:>8.1f} {torch_ms / triton_ms:>7.2f}x {difference:>9.2e}"
+        f"{tflops / ceiling:>8.1%} {torch_ms:>9.3f} {flops / torch_ms / 1e9:>8.1f} "
+        f"{torch_ms / triton_ms:>7.2f}x {difference:>9.2e}"
     )
     result: dict = {
         "case": name,
