@@ -183,6 +183,7 @@ class ModelRunner:
             slot_mapping=buffers.slot_mapping[:batch_size],
             block_tables=buffers.block_tables[:batch_size],
             seq_lens=buffers.seq_lens[:batch_size],
+            query_start_loc=buffers.query_start_loc[: batch_size + 1],
             seq_lens_cpu=[self.max_model_len] * batch_size,
             query_start_loc_cpu=list(range(batch_size + 1)),
             num_decodes=batch_size,
@@ -216,16 +217,19 @@ class ModelRunner:
         buffers.host_slot_mapping[:num_tokens] = blocks * self.block_size + positions % self.block_size
         seq_lens = starts + query_lens
         buffers.host_seq_lens[:n] = seq_lens
+        buffers.host_query_start_loc[: n + 1] = query_start
         num_decodes = int(np.argmax(query_lens != 1)) if (query_lens != 1).any() else n
         return AttentionMetadata(
             slot_mapping=buffers.slot_mapping[:num_tokens],
             block_tables=buffers.block_tables[:n],
             seq_lens=buffers.seq_lens[:n],
+            query_start_loc=buffers.query_start_loc[: n + 1],
             seq_lens_cpu=seq_lens.tolist(),
             query_start_loc_cpu=query_start.tolist(),
             num_decodes=num_decodes,
             block_size=self.block_size,
             max_decode_len=int(seq_lens[:num_decodes].max()) if num_decodes else 0,
+            max_prefill_len=int(query_lens[num_decodes:].max()) if num_decodes < n else 0,
         )
 
     def prepare(self, out: SchedulerOutput, block_tables: dict[int, list[int]]) -> Batch:

@@ -1,7 +1,7 @@
 """The runner's per-step input tensors: one int32 host buffer, pinned on CUDA, and its device twin.
 
 Both are carved into segments at fixed offsets (input ids, positions, KV slots, context lengths,
-sampled rows, block tables), sized for the largest step. The runner writes a step with numpy into the
+query offsets, sampled rows, block tables), sized for the largest step. The runner writes a step with numpy into the
 host views and sends it with one copy; the device views keep their addresses from step to step, which
 is what lets a CUDA graph captured over them replay with new contents.
 """
@@ -23,7 +23,15 @@ class StepCapacity:
 
 # Segment order: the small per-sequence ones first, block tables last, so a step's upload can stop
 # at the end of the rows it used.
-_SEGMENTS = ("seq_lens", "sample_indices", "input_ids", "positions", "slot_mapping", "block_tables")
+_SEGMENTS = (
+    "seq_lens",
+    "query_start_loc",
+    "sample_indices",
+    "input_ids",
+    "positions",
+    "slot_mapping",
+    "block_tables",
+)
 
 
 class StepBuffers:
@@ -34,6 +42,7 @@ class StepBuffers:
         t, s, b = capacity.max_tokens, capacity.max_seqs, capacity.max_blocks_per_seq
         sizes = {
             "seq_lens": s,
+            "query_start_loc": s + 1,
             "sample_indices": s,
             "input_ids": t,
             "positions": t,
@@ -51,6 +60,7 @@ class StepBuffers:
         host_np = self.host.numpy()
         view = {name: slice(self._offsets[name], self._offsets[name] + sizes[name]) for name in _SEGMENTS}
         self.host_seq_lens = host_np[view["seq_lens"]]
+        self.host_query_start_loc = host_np[view["query_start_loc"]]
         self.host_sample_indices = host_np[view["sample_indices"]]
         self.host_input_ids = host_np[view["input_ids"]]
         self.host_positions = host_np[view["positions"]]
@@ -58,6 +68,7 @@ class StepBuffers:
         self.host_block_tables = host_np[view["block_tables"]].reshape(s, b)
         dev = self.device_buffer
         self.seq_lens = dev[view["seq_lens"]]
+        self.query_start_loc = dev[view["query_start_loc"]]
         self.sample_indices = dev[view["sample_indices"]]
         self.input_ids = dev[view["input_ids"]]
         self.positions = dev[view["positions"]]

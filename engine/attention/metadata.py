@@ -30,11 +30,13 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int32: block * block_size + offset of each new token; -1 skips
     block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32; entries past a table's end are junk
     seq_lens: torch.Tensor  # [num_seqs] int32 on the device: context length after this step
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32 on the device: sequence i's first token row
     seq_lens_cpu: list[int]
     query_start_loc_cpu: list[int]  # [num_seqs + 1]
     num_decodes: int
     block_size: int
     max_decode_len: int = 0  # longest decode context this step (host value; the torch backend's gather width)
+    max_prefill_len: int = 0  # longest prefill chunk this step (host value; sizes the prefill kernel's grid)
     # Filled by the backend's prepare(), once per step, shared by every layer:
     decode_slots: torch.Tensor | None = None  # torch: [num_decodes, max_decode_len] cache slot per position
     decode_mask: torch.Tensor | None = None  # torch: [num_decodes, max_decode_len] True where it exists

@@ -1,9 +1,10 @@
 """Paged attention through the Triton kernels: the CUDA fast path, graph-safe for decode-only steps.
 
 This step's K/V go into the cache with one kernel (engine.kernels.kv_cache), decodes attend in place
-through the block table with the flash-decoding kernel (engine.kernels.decode_attention), and prefill
-chunks take the torch reference's SDPA path until a varlen prefill kernel replaces it. On CPU the same
-kernels run through Triton's interpreter, which is how the tests check this backend without a GPU.
+through the block table with the flash-decoding kernel (engine.kernels.decode_attention), and all of
+the step's prompt chunks attend in one launch of the varlen prefill kernel
+(engine.kernels.prefill_attention), each over its cached context plus its own causal part. On CPU the
+same kernels run through Triton's interpreter, which is how the tests check this backend without a GPU.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ import functools
 import torch
 
 from engine.attention.metadata import AttentionMetadata
-from engine.attention.torch_backend import TorchAttentionBackend
 from engine.kernels.decode_attention import choose_num_splits, paged_decode_attention
 from engine.kernels.kv_cache import store_kv
+from engine.kernels.prefill_attention import paged_prefill_attention
 
 
 @functools.cache
@@ -28,9 +29,6 @@ def _num_sms(device_index: int | None) -> int:
 class TritonAttentionBackend:
     name = "triton"
     supports_cuda_graphs = True
-
-    def __init__(self) -> None:
-        self._prefill = TorchAttentionBackend()
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Nothing to build: the kernels read the step buffers directly; the split count is per layer."""
@@ -65,5 +63,17 @@ class TritonAttentionBackend:
                 check=False,
             )
         if decodes < meta.num_seqs:
-            self._prefill.prefill(query, key, value, kv_cache, meta, scale, out)
+            # The prefill sequences' offsets index the whole query: only their rows are computed.
+            paged_prefill_attention(
+                query,
+                kv_cache[0],
+                kv_cache[1],
+                meta.block_tables[decodes:],
+                meta.query_start_loc[decodes:],
+                meta.seq_lens[decodes:],
+                scale,
+                meta.max_prefill_len,
+                out=out,
+                check=False,
+            )
         return out

@@ -284,6 +284,8 @@ def paged_prefill_attention(
     scale: float,
     max_query_len: int,
     out: torch.Tensor | None = None,
+    *,
+    check: bool = True,
 ) -> torch.Tensor:
     """Causal attention of every prompt chunk of a step over its paged context; returns out.
 
@@ -294,7 +296,8 @@ def paged_prefill_attention(
         be in the cache (store_kv runs first).
     block_tables: [>= num_seqs, max_blocks_per_seq] int32 (int64 accepted): row i lists sequence i's blocks.
     query_start_loc: [num_seqs + 1] int32 (int64 accepted): sequence i owns query rows
-        query_start_loc[i]:query_start_loc[i + 1]; the first entry is 0 (relative to query).
+        query_start_loc[i]:query_start_loc[i + 1] (row indices into query: a caller may pass the offsets
+        of a step's later sequences and the whole query, and only their rows are computed).
     seq_lens: [>= num_seqs] int32 (int64 accepted): sequence i's context length after this step (tokens
         cached earlier + this chunk). Query row j of sequence i sits at position
         seq_lens[i] - q_len_i + j and attends to positions 0..that position inclusive.
@@ -303,6 +306,7 @@ def paged_prefill_attention(
     out: [num_tokens, num_heads, head_dim], query's dtype, last dim contiguous, written in place if given.
 
     Rows of query not owned by any sequence are left untouched in out. No host-device synchronisation.
+    check=False skips the argument checks (host time), for callers whose tensors are their own.
     """
     block_m, block_n, num_warps, num_stages = _default_tile(
         query.shape[-1] if query.dim() else 0, query.dtype
@@ -321,6 +325,7 @@ def paged_prefill_attention(
         block_n=block_n,
         num_warps=num_warps,
         num_stages=num_stages,
+        check=check,
     )
 
 
@@ -339,13 +344,17 @@ def _paged_prefill_attention(
     block_n: int,
     num_warps: int,
     num_stages: int,
+    check: bool = True,
 ) -> torch.Tensor:
     """paged_prefill_attention with the tile configuration spelled out (tests and the benchmark sweep).
     block_m is raised to the group size (rounded to a power of two) where it is smaller."""
-    _check_inputs(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, max_query_len, out)
-    for name, value in (("block_m", block_m), ("block_n", block_n)):
-        if value < 16 or value & (value - 1):
-            raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+    if check:
+        _check_inputs(
+            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, max_query_len, out
+        )
+        for name, value in (("block_m", block_m), ("block_n", block_n)):
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     num_seqs = query_start_loc.shape[0] - 1

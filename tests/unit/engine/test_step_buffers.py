@@ -60,6 +60,7 @@ def test_buffers_share_one_host_block_and_views_do_not_overlap():
     buffers = StepBuffers(StepCapacity(max_tokens=16, max_seqs=4, max_blocks_per_seq=3), torch.device("cpu"))
     views = [
         buffers.host_seq_lens,
+        buffers.host_query_start_loc,
         buffers.host_sample_indices,
         buffers.host_input_ids,
         buffers.host_positions,
@@ -69,10 +70,10 @@ def test_buffers_share_one_host_block_and_views_do_not_overlap():
     for index, view in enumerate(views):
         view[...] = index + 1
     host = buffers.host.numpy()
-    assert sorted(np.unique(host).tolist()) == [1, 2, 3, 4, 5, 6]
+    assert sorted(np.unique(host).tolist()) == [1, 2, 3, 4, 5, 6, 7]
     assert host.size == sum(v.size for v in views)
     assert buffers.block_tables.shape == (4, 3)
-    assert int(buffers.slot_mapping[0]) == 5  # device views read the same memory on CPU
+    assert int(buffers.slot_mapping[0]) == 6  # device views read the same memory on CPU
 
 
 def test_fill_writes_a_mixed_step(tiny_model_dir):
@@ -90,5 +91,6 @@ def test_fill_writes_a_mixed_step(tiny_model_dir):
     assert buffers.host_slot_mapping[:4].tolist() == [1, 4, 5, 6]
     assert buffers.host_seq_lens[:2].tolist() == [6, 3]
     assert (meta.num_decodes, meta.max_decode_len, meta.seq_lens_cpu) == (1, 6, [6, 3])
-    assert meta.query_start_loc_cpu == [0, 1, 4]
+    assert meta.query_start_loc_cpu == [0, 1, 4] == buffers.host_query_start_loc[:3].tolist()
+    assert meta.max_prefill_len == 3
     assert meta.block_tables[:, :2].tolist() == [[2, 0], [1, 0]]
