@@ -21,7 +21,7 @@ from engine.block_allocator import BlockAllocator
 from engine.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
-from engine.runner import CPU_DEFAULT_KV_CACHE_MEMORY, ModelRunner, RunnerConfig
+from engine.runner import CPU_DEFAULT_KV_CACHE_MEMORY, ModelRunner, PendingTokens, RunnerConfig
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
@@ -146,7 +146,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.scheduler_config, self.allocator, self.model_config.eos_token_ids)
         self._requests: dict[str, _RequestState] = {}
         self._seq_ids = itertools.count()
-        self._undelivered: SchedulerOutput | None = None  # a step whose outputs the next step() returns
+        # The step on the GPU: its tokens, outputs and scheduler commit come with the next step() call.
+        self._in_flight: tuple[SchedulerOutput, PendingTokens] | None = None
         self.timer = StepTimer()  # per-phase wall time of `step`, read by bench offline and engine.profile
         logger.info(
             "engine ready: %s on %s in %s, %d KV blocks of %d tokens, %s attention, %s",
@@ -222,25 +223,27 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        """True while anything is scheduled or waiting, or a step's outputs are not yet delivered."""
-        return self.scheduler.has_unfinished() or self._undelivered is not None
+        """True while anything runs or waits, or a step's tokens and outputs are still to come."""
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one step and return the outputs of the step before it.
+        """Launch one step, then finish the one before it; returns that earlier step's outputs.
 
-        The previous step's output work (detokenizing, stop strings, RequestOutputs) runs while the
-        GPU computes this one, so each step's outputs come back from the next call to `step` (the
-        last ones from a call that schedules nothing). The scheduler itself is updated as soon as
-        a step's tokens arrive. A sequence that a stop string ends during that output work was
-        already scheduled again: its extra token is dropped, as for an abort.
+        Steps overlap with the GPU (async scheduling): step N+1 is scheduled and prepared while step
+        N still runs, its decodes reading the tokens step N samples straight from the device (the
+        scheduler holds a PLACEHOLDER for each until `commit`). Then the host waits for step N's
+        tokens, commits them (EOS and stop tokens), and does its output work (detokenizing, stop
+        strings, RequestOutputs) while the GPU runs step N+1. So each step's outputs come back from
+        the next call (the last ones from a call that launches nothing), and a sequence that stops
+        on a token or a stop string was already scheduled once more: that extra token is dropped,
+        as for an abort. Length limits are known in advance and cost no extra step.
         """
         timer = self.timer
         with timer.phase("schedule"):
             scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
-            with timer.phase("outputs"):
-                return self._deliver()
+            return self._finish_in_flight()
         timer.num_steps += 1
         with timer.phase("prepare"):
             batch = self.runner.prepare(
@@ -249,20 +252,27 @@ class LLMEngine:
             )
         with timer.phase("execute"):
             pending = self.runner.launch(batch)
-        with timer.phase("outputs"):
-            outputs = self._deliver()
+        with timer.phase("update"):
+            for seq in self.scheduler.advance(scheduled):
+                self.runner.release(seq.seq_id)  # finished by length: its table row is free
+        outputs = self._finish_in_flight()
+        self._in_flight = (scheduled, pending)
+        return outputs
+
+    def _finish_in_flight(self) -> list[RequestOutput]:
+        """Wait for the step in flight, commit its tokens, and build its outputs."""
+        if self._in_flight is None:
+            return []
+        scheduled, pending = self._in_flight
+        self._in_flight = None
+        timer = self.timer
         with timer.phase("execute"):
             token_ids = pending.result()
         with timer.phase("update"):
-            for seq in self.scheduler.update(scheduled, token_ids):
+            for seq in self.scheduler.commit(scheduled, token_ids):
                 self.runner.release(seq.seq_id)  # its blocks are free: so is its table row
-        self._undelivered = scheduled
-        return outputs
-
-    def _deliver(self) -> list[RequestOutput]:
-        """Outputs of the last step whose tokens the scheduler has applied, if not yet delivered."""
-        scheduled, self._undelivered = self._undelivered, None
-        return self._outputs(scheduled) if scheduled is not None else []
+        with timer.phase("outputs"):
+            return self._outputs(scheduled)
 
     def _outputs(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
         outputs = []
@@ -273,11 +283,14 @@ class LLMEngine:
             if state is None:  # aborted during the step
                 continue
             seq = state.seq
-            new_ids = seq.output_token_ids[state.num_sent_tokens :]
-            state.detokenizer.append(new_ids, final=seq.is_finished)
+            # Tokens of a step still in flight (PLACEHOLDERs at the end) are not output yet.
+            committed = len(seq.output_token_ids) - seq.num_pending
+            new_ids = seq.output_token_ids[state.num_sent_tokens : committed]
+            finished = seq.is_finished and not seq.num_pending
+            state.detokenizer.append(new_ids, final=finished)
             if state.detokenizer.stopped and not seq.is_finished:
-                self.scheduler.finish(seq, "stop")
-            finished = seq.is_finished
+                self.scheduler.finish(seq, "stop")  # drops the token of the step in flight
+                finished = True
             text = state.detokenizer.visible_text(finished)
             outputs.append(
                 RequestOutput(
@@ -289,10 +302,10 @@ class LLMEngine:
                     finished=finished,
                     finish_reason=seq.finish_reason,
                     _output_ref=seq.output_token_ids,
-                    _num_output_tokens=len(seq.output_token_ids),
+                    _num_output_tokens=committed,
                 )
             )
-            state.num_sent_tokens = len(seq.output_token_ids)
+            state.num_sent_tokens = committed
             state.num_sent_chars = len(text)
             if finished:
                 del self._requests[seq.request_id]

@@ -25,6 +25,7 @@ from engine.models import MODEL_CLASSES
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
+from engine.sequence import PLACEHOLDER
 from engine.step_buffers import BlockTableRows, StepBuffers, StepCapacity
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class Batch:
     params: list[SamplingParams]
     generators: list[torch.Generator | None]
     graph_size: int = 0  # > 0: replay the decode graph captured for this (padded) batch size
+    num_fed: int = 0  # rows whose input token is the previous step's sampled token, still on the device
 
 
 class ModelRunner:
@@ -91,9 +93,16 @@ class ModelRunner:
         )
         self.tables = BlockTableRows(max_seqs, max_blocks)
         self.graphs: CudaGraphRunner | None = None
-        # Where sampled tokens land on the host: pinned, so the copy back does not block the host.
+        # Where sampled tokens land on the host: pinned, so the copy back does not block the host; two,
+        # since a step's copy can land before the host has read the previous step's tokens.
         pin = config.device.type == "cuda"
-        self._sampled_host = torch.zeros(max_seqs, dtype=torch.int64, pin_memory=pin)
+        self._sampled_host = [torch.zeros(max_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._launches = 0
+        # The last launched step's sampled tokens (device) and each sampling sequence's index in them:
+        # the next step's decodes of those sequences read their input token from there.
+        self._last_tokens: torch.Tensor | None = None
+        self._last_sample_index: dict[int, int] = {}
+        self._next_sample_index: dict[int, int] = {}
 
     # -- KV cache ----------------------------------------------------------------------------
     @property
@@ -236,6 +245,8 @@ class ModelRunner:
         """block_tables: each scheduled sequence's table (by seq_id), already grown for this step."""
         for seq in out.preempted:  # their blocks were freed: the cached rows are stale
             self.tables.drop(seq.seq_id)
+        buffers = self.buffers
+        buffers.flip()
         items = out.scheduled
         in_order = all(item.num_tokens == 1 for item in items[: sum(i.num_tokens == 1 for i in items)])
         if not in_order:  # a one-token prefill chunk after longer ones: decodes must come first
@@ -246,6 +257,9 @@ class ModelRunner:
         token_ids: list[int] = []
         rows: list[int] = []
         sample_rows: list[int] = []
+        sample_index: dict[int, int] = {}
+        feed_rows: list[int] = []
+        feed_sources: list[int] = []
         sample_order: list[int] = []
         params: list[SamplingParams] = []
         generators: list[torch.Generator | None] = []
@@ -259,10 +273,16 @@ class ModelRunner:
             seq, start, num = item.seq, item.start, item.num_tokens
             starts.append(start)
             query_lens.append(num)
-            token_ids += seq.token_slice(start, start + num)
+            tokens = seq.token_slice(start, start + num)
+            if tokens[-1] == PLACEHOLDER:  # a decode of the token the step in flight samples
+                feed_rows.append(len(token_ids) + num - 1)
+                feed_sources.append(self._last_sample_index[seq.seq_id])
+                tokens = [0]
+            token_ids += tokens
             rows.append(self.tables.row(seq.seq_id, block_tables[seq.seq_id]))
             end += num
             if item.samples:
+                sample_index[seq.seq_id] = len(sample_rows)
                 sample_rows.append(end - 1)
                 sample_order.append(len(sample_order) if sampling_rank is None else sampling_rank[id(item)])
                 params.append(seq.params)
@@ -270,7 +290,10 @@ class ModelRunner:
         meta = self._fill(
             np.array(starts, dtype=np.int64), np.array(query_lens, dtype=np.int64), token_ids, rows
         )
-        self.buffers.host_sample_indices[: len(sample_rows)] = sample_rows
+        buffers.host_sample_indices[: len(sample_rows)] = sample_rows
+        buffers.host_feed_rows[: len(feed_rows)] = feed_rows
+        buffers.host_feed_sources[: len(feed_rows)] = feed_sources
+        self._next_sample_index = sample_index
         num_tokens = len(token_ids)
         graph_size = 0
         if self.graphs is not None and meta.num_decodes == n:
@@ -286,6 +309,7 @@ class ModelRunner:
             params=params,
             generators=generators,
             graph_size=graph_size,
+            num_fed=len(feed_rows),
         )
 
     def _pad(self, n: int, size: int) -> None:
@@ -321,6 +345,11 @@ class ModelRunner:
     def launch(self, batch: Batch) -> PendingTokens:
         """Queue the forward pass and the sampling; the tokens arrive later (PendingTokens.result)."""
         buffers = self.buffers
+        if batch.num_fed:  # decodes of tokens the previous step sampled: copied on the device, in order
+            assert self._last_tokens is not None
+            rows = buffers.feed_rows[: batch.num_fed].long()
+            sources = buffers.feed_sources[: batch.num_fed].long()
+            buffers.input_ids.index_copy_(0, rows, self._last_tokens.index_select(0, sources).int())
         if batch.graph_size:
             assert self.graphs is not None
             hidden = self.graphs.replay(batch.graph_size)
@@ -330,13 +359,17 @@ class ModelRunner:
                 hidden = self.model(
                     buffers.input_ids[: batch.num_tokens], buffers.positions[: batch.num_tokens]
                 )
+        self._last_sample_index = self._next_sample_index
         if not batch.params:
+            self._last_tokens = None
             return PendingTokens(None, None, [])
         logits = self.model.compute_logits(hidden[buffers.sample_indices[: batch.num_sampled]])
         tokens = sample(logits, batch.params, batch.generators)
+        self._last_tokens = tokens
         if self.device.type != "cuda":
             return PendingTokens(tokens, None, batch.sample_order)
-        host = self._sampled_host[: len(tokens)]
+        self._launches += 1
+        host = self._sampled_host[self._launches % 2][: len(tokens)]
         host.copy_(tokens, non_blocking=True)
         done = torch.cuda.Event()
         done.record()

@@ -15,8 +15,10 @@ generated, to be recomputed later. Example with budget 8 and two requests of pro
 step 1 schedules A:6 and B:2 (a chunk), step 2 A:1 (decode) and B:3; B samples its first token only
 when its prompt is fully computed.
 
-`update` applies the tokens sampled for the sequences whose last scheduled token ended their
-uncomputed tail, and finishes those that hit max_tokens, EOS or a stop token.
+`advance` applies a launched step before its tokens are known (each sampling sequence gets a
+PLACEHOLDER token; max_tokens and the context limit finish sequences here), `commit` writes the
+sampled tokens in and finishes sequences on EOS or a stop token; `update` does both at once. The
+engine schedules step N+1 between the two, while step N is still on the GPU.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 
 from engine.block_allocator import BlockAllocator
 from engine.config import SchedulerConfig
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
 
 @dataclass
@@ -161,40 +163,71 @@ class Scheduler:
         self.running.insert(index, seq)
 
     # -- results ---------------------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> list[Sequence]:
-        """Advance the scheduled sequences; sampled_token_ids are in order of those that sample."""
+    def advance(self, out: SchedulerOutput) -> list[Sequence]:
+        """A step was launched: its tokens count as computed, and each sequence that samples gets a
+        PLACEHOLDER output token, so the next step can be scheduled (and decode it) before the GPU is
+        done. A length limit does not depend on the token's value: such sequences finish here,
+        keeping their last, pending token. Returns them."""
         finished: list[Sequence] = []
-        tokens = iter(sampled_token_ids)
+        max_model_len = self.config.max_model_len
         for item in out.scheduled:
             seq = item.seq
-            samples = item.samples
-            token = next(tokens) if samples else None
             if seq.is_finished:  # aborted after scheduling
                 continue
             seq.num_computed_tokens = item.start + item.num_tokens
-            if token is None:
+            if not item.samples:
                 continue
-            seq.output_token_ids.append(token)
-            reason = self._stop_reason(seq, token)
-            if reason is not None:
-                self.finish(seq, reason)
+            seq.output_token_ids.append(PLACEHOLDER)
+            seq.num_pending += 1
+            if len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= max_model_len:
+                self.finish(seq, "length", keep_pending=True)
                 finished.append(seq)
         return finished
 
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+    def commit(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> list[Sequence]:
+        """The step's tokens arrived (in order of the sequences that sample): write them over the
+        placeholders and stop on EOS or a stop token. Returns the sequences this finished."""
+        finished: list[Sequence] = []
+        tokens = iter(sampled_token_ids)
+        for item in out.scheduled:
+            if not item.samples:
+                continue
+            token = next(tokens)
+            seq = item.seq
+            if seq.num_pending == 0:  # finished meanwhile (abort, stop string, an earlier stop token)
+                continue
+            seq.output_token_ids[len(seq.output_token_ids) - seq.num_pending] = token
+            seq.num_pending -= 1
+            if not self._is_stop_token(seq, token):
+                continue
+            if seq.is_finished:  # its length limit was reached with this very token: a stop wins
+                seq.finish_reason = "stop"
+                continue
+            self.finish(seq, "stop")
+            finished.append(seq)
+        return finished
+
+    def update(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> list[Sequence]:
+        """advance and commit at once, for a step whose tokens are already known."""
+        return self.advance(out) + self.commit(out, sampled_token_ids)
+
+    def _is_stop_token(self, seq: Sequence, token: int) -> bool:
         params = seq.params
         if not params.ignore_eos and token in self.eos_token_ids:
-            return "stop"
-        if params.stop_token_ids and token in params.stop_token_ids:
-            return "stop"
-        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
-            return "length"
-        return None
+            return True
+        return params.stop_token_ids is not None and token in params.stop_token_ids
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """End seq now (stop string, abort, or a stop condition) and give its blocks back."""
+    def finish(self, seq: Sequence, reason: str, keep_pending: bool = False) -> None:
+        """End seq now (stop string, abort, or a stop condition) and give its blocks back.
+
+        Tokens of steps still in flight are dropped, unless keep_pending (a length limit: the
+        pending token is the last one, and commit writes it in).
+        """
         if seq.is_finished:
             return
+        if seq.num_pending and not keep_pending:
+            del seq.output_token_ids[len(seq.output_token_ids) - seq.num_pending :]
+            seq.num_pending = 0
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         else:

@@ -2,7 +2,8 @@
 
 Plain Python, no torch. A sequence moves WAITING -> RUNNING -> FINISHED, and back from RUNNING to
 WAITING when preempted: its generated tokens are kept, its KV is dropped and recomputed later
-(num_computed_tokens returns to 0), so no token is lost or produced twice.
+(num_computed_tokens returns to 0), so no token is lost or produced twice. While a step is on the
+GPU its sampled token is a PLACEHOLDER at the end of output_token_ids (num_pending counts them).
 """
 
 from __future__ import annotations
@@ -11,6 +12,10 @@ import enum
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
+
+# An output token whose step is still on the GPU: the scheduler counts it (the next step decodes it)
+# before its value is known; `Scheduler.commit` writes the value in.
+PLACEHOLDER = -1
 
 
 class SequenceStatus(enum.Enum):
@@ -31,6 +36,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop", "length" or "abort"
     num_preemptions: int = 0
+    num_pending: int = 0  # trailing output tokens still PLACEHOLDER (their step is in flight)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,9 +1,11 @@
-"""The runner's per-step input tensors: one int32 host buffer, pinned on CUDA, and its device twin.
+"""The runner's per-step input tensors: an int32 host buffer, pinned on CUDA, and its device twin.
 
 Both are carved into segments at fixed offsets (input ids, positions, KV slots, context lengths,
-query offsets, sampled rows, block tables), sized for the largest step. The runner writes a step with numpy into the
-host views and sends it with one copy; the device views keep their addresses from step to step, which
-is what lets a CUDA graph captured over them replay with new contents.
+query offsets, sampled rows, rows fed from the previous step's tokens, block tables), sized for the
+largest step. The runner writes a step with numpy into the host views and sends it with one copy; the
+device views keep their addresses from step to step, which is what lets a CUDA graph captured over
+them replay with new contents. The host side is double-buffered (`flip`): a step is prepared while
+the previous one's copy may still be queued behind the GPU's work.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ _SEGMENTS = (
     "seq_lens",
     "query_start_loc",
     "sample_indices",
+    "feed_rows",
+    "feed_sources",
     "input_ids",
     "positions",
     "slot_mapping",
@@ -44,6 +48,8 @@ class StepBuffers:
             "seq_lens": s,
             "query_start_loc": s + 1,
             "sample_indices": s,
+            "feed_rows": s,
+            "feed_sources": s,
             "input_ids": t,
             "positions": t,
             "slot_mapping": t,
@@ -55,25 +61,46 @@ class StepBuffers:
             self._offsets[name] = total
             total += sizes[name]
         pin = device.type == "cuda"
-        self.host = torch.zeros(total, dtype=torch.int32, pin_memory=pin)
-        self.device_buffer = torch.zeros(total, dtype=torch.int32, device=device) if pin else self.host
-        host_np = self.host.numpy()
+        self._hosts = [torch.zeros(total, dtype=torch.int32, pin_memory=pin) for _ in range(2 if pin else 1)]
+        self.device_buffer = torch.zeros(total, dtype=torch.int32, device=device) if pin else self._hosts[0]
+        self._sizes = sizes
+        self._active = 0
+        self._bind_host()
         view = {name: slice(self._offsets[name], self._offsets[name] + sizes[name]) for name in _SEGMENTS}
-        self.host_seq_lens = host_np[view["seq_lens"]]
-        self.host_query_start_loc = host_np[view["query_start_loc"]]
-        self.host_sample_indices = host_np[view["sample_indices"]]
-        self.host_input_ids = host_np[view["input_ids"]]
-        self.host_positions = host_np[view["positions"]]
-        self.host_slot_mapping = host_np[view["slot_mapping"]]
-        self.host_block_tables = host_np[view["block_tables"]].reshape(s, b)
         dev = self.device_buffer
         self.seq_lens = dev[view["seq_lens"]]
         self.query_start_loc = dev[view["query_start_loc"]]
         self.sample_indices = dev[view["sample_indices"]]
+        self.feed_rows = dev[view["feed_rows"]]
+        self.feed_sources = dev[view["feed_sources"]]
         self.input_ids = dev[view["input_ids"]]
         self.positions = dev[view["positions"]]
         self.slot_mapping = dev[view["slot_mapping"]]
         self.block_tables = dev[view["block_tables"]].view(s, b)
+
+    def _bind_host(self) -> None:
+        self.host = self._hosts[self._active]
+        host_np = self.host.numpy()
+        cap = self.capacity
+
+        def view(name: str) -> np.ndarray:
+            return host_np[self._offsets[name] : self._offsets[name] + self._sizes[name]]
+
+        self.host_seq_lens = view("seq_lens")
+        self.host_query_start_loc = view("query_start_loc")
+        self.host_sample_indices = view("sample_indices")
+        self.host_feed_rows = view("feed_rows")
+        self.host_feed_sources = view("feed_sources")
+        self.host_input_ids = view("input_ids")
+        self.host_positions = view("positions")
+        self.host_slot_mapping = view("slot_mapping")
+        self.host_block_tables = view("block_tables").reshape(cap.max_seqs, cap.max_blocks_per_seq)
+
+    def flip(self) -> None:
+        """Switch to the other host buffer: the last one's upload may not have run yet."""
+        if len(self._hosts) > 1:
+            self._active ^= 1
+            self._bind_host()
 
     def upload(self, num_table_rows: int) -> None:
         """Send the host buffer to the device, up to the end of the first num_table_rows table rows."""

@@ -62,6 +62,8 @@ def test_buffers_share_one_host_block_and_views_do_not_overlap():
         buffers.host_seq_lens,
         buffers.host_query_start_loc,
         buffers.host_sample_indices,
+        buffers.host_feed_rows,
+        buffers.host_feed_sources,
         buffers.host_input_ids,
         buffers.host_positions,
         buffers.host_slot_mapping,
@@ -70,10 +72,10 @@ def test_buffers_share_one_host_block_and_views_do_not_overlap():
     for index, view in enumerate(views):
         view[...] = index + 1
     host = buffers.host.numpy()
-    assert sorted(np.unique(host).tolist()) == [1, 2, 3, 4, 5, 6, 7]
+    assert sorted(np.unique(host).tolist()) == list(range(1, 10))
     assert host.size == sum(v.size for v in views)
     assert buffers.block_tables.shape == (4, 3)
-    assert int(buffers.slot_mapping[0]) == 6  # device views read the same memory on CPU
+    assert int(buffers.slot_mapping[0]) == 8  # device views read the same memory on CPU
 
 
 def test_fill_writes_a_mixed_step(tiny_model_dir):
