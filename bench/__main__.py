@@ -135,15 +135,19 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("results", nargs="+", help="run folders, run.json or summary JSON files")
     report.add_argument("--out", default="report.html")
 
-    compare = commands.add_parser("compare", help="compare two results; exit 1 on a regression")
+    compare = commands.add_parser(
+        "compare", help="compare two results; exit 1 on a regression, 4 unreliable, 3 nothing compared"
+    )
     compare.add_argument("base")
     compare.add_argument("new")
     default_drop = ",".join(f"{k}={v:g}%" for k, v in DEFAULT_MAX_DROP.items())
     compare.add_argument(
         "--max-drop",
         default=default_drop,
-        help=f"allowed worsening per metric (default {default_drop}); a row regresses only when its "
-        "worsening is also larger than the two sides' trial spreads added up",
+        help=f"allowed worsening per metric (default {default_drop}); a row regresses when its "
+        "worsening is past its limit and past the base's own trial spread (the new run's spread never "
+        "excuses it); exit 1 on a regression, 4 when a row is unreliable (rerun), 3 when nothing with a "
+        "limit was compared, 2 for bad input",
     )
     compare.add_argument(
         "--format",
@@ -412,7 +416,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError) as exc:  # a missing or unreadable result is a usage error, not a regression
         parser.error(str(exc))
     print(comparison.markdown() if args.format == "markdown" else comparison.table())
-    return 1 if comparison.regressions else 0
+    return comparison.exit_status()
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
-"""Compare two results level by level and flag regressions past a threshold and past the trial noise.
+"""Compare two results level by level and flag regressions past a limit and past the base's own noise.
 
 `compare_results(base, new, max_drop)` takes anything bench.results.load_result reads (run folders,
 run.json, perf-tier summary JSON with `<key>_min`/`<key>_max` beside each median); which way is
-better comes from bench.metrics.metric_direction. The CLI's `compare` prints `Comparison.table()` or
-`Comparison.markdown()` and exits non-zero when `regressions` is not empty.
+better comes from bench.metrics.metric_direction; `decide` is the rule for one row (see its
+docstring: the new run's spread can never excuse it). The CLI's `compare` and `ab` print
+`Comparison.table()` or `Comparison.markdown()` and exit with `Comparison.exit_status()`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,30 @@ from typing import Any
 from bench.metrics import STEP_TIMING, metric_direction
 from bench.results import Result, level_key, load_result
 
-DEFAULT_MAX_DROP: dict[str, float] = {"served_req_s": 5.0, "output_tok_s": 5.0, "ttft_p50_s": 10.0}
+# The regression gate's limits (the engine against itself): throughput 5 %, latency p50 10 %, no new
+# failures; offline, the same figures per mode, the probes, and step_ms (only where both sides took
+# the same number of steps, see _limit).
+DEFAULT_MAX_DROP: dict[str, float] = {
+    "capacity_req_s": 5.0,
+    "served_req_s": 5.0,
+    "output_tok_s": 5.0,
+    "ttft_p50_s": 10.0,
+    "tpot_p50_s": 10.0,
+    "itl_p50_s": 10.0,
+    "failures": 0.0,
+    "prefill_tok_s": 5.0,
+    "single_ttft_s": 10.0,
+    "single_tpot_s": 10.0,
+    "step_ms": 10.0,
+}
+# Exit status of `bench compare` / `bench ab`.
+EXIT_OK, EXIT_REGRESSION, EXIT_BAD_INPUT, EXIT_NOTHING_COMPARED, EXIT_UNRELIABLE = 0, 1, 2, 3, 4
+# Open-loop rates within this fraction of each other are one level (a sweep's bisection rates are floats).
+RATE_TOLERANCE = 0.01
+# Latency and failures at open-loop rates at or past this fraction of the base's capacity are shown, not
+# limited: there a level's latency is its queue, and 429/503 past saturation is load shedding.
+BELOW_SATURATION = 0.8
+REGRESSION, UNRELIABLE, OK = "REGRESSION", "UNRELIABLE", "ok"
 SHOWN_METRICS = (
     "served_req_s",
     "output_tok_s",
@@ -73,13 +97,14 @@ class Figure:
     low: float | None = None
     high: float | None = None
 
-    @property
-    def spread_pct(self) -> float:
-        """(max − min) / median in percent; 0 for a single run or when it is undefined."""
+    def worse_spread_pct(self, direction: str) -> float:
+        """How far the worst trial strays from the median on the worse side, in percent of the median
+        (higher-is-better: (median − min) / median; lower-is-better: (max − median) / median); 0 for a
+        single run."""
         if self.low is None or self.high is None or self.value == 0:
             return 0.0
-        spread = (self.high - self.low) / abs(self.value) * 100
-        return spread if math.isfinite(spread) else 0.0
+        worst = self.low if direction == "higher" else self.high
+        return max(0.0, _worsening_pct(self.value, worst, direction))
 
     def text(self) -> str:
         if self.low is None or self.high is None or self.low == self.high:
@@ -87,13 +112,39 @@ class Figure:
         return f"{_fmt(self.value)} [{_fmt(self.low)}, {_fmt(self.high)}]"
 
 
+def decide(base: Figure, new: Figure, direction: str, limit_pct: float | None) -> str:
+    """The verdict of one row: REGRESSION, UNRELIABLE, OK, or "" when the row has no limit.
+
+    worsening = how much worse new's median is than base's, in percent of base's (a drop for
+    higher-is-better, a rise for lower-is-better); band = the base's own noise, how far its worst trial
+    strays from its median on the worse side (`Figure.worse_spread_pct`; 0 for one trial).
+
+    - REGRESSION: worsening > limit and worsening > band. Only the base's spread widens the band, so a
+      noisy new run cannot excuse itself: new trials [900, 600, 610] against base [900, 899, 901] are a
+      32 % drop past a 0.1 % band.
+    - UNRELIABLE (rerun, more trials or `bench ab`): past the limit but inside the base's band (the
+      base cannot tell), or new's median is fine but its worst trial is worse than base's median by
+      more than both the limit and the band (a noisy new run is not a pass).
+    - OK otherwise. A NaN on either side is never a regression (shown, not decided).
+    """
+    if limit_pct is None:
+        return ""
+    if math.isnan(base.value) or math.isnan(new.value):
+        return OK
+    worsening = _worsening_pct(base.value, new.value, direction)
+    band = base.worse_spread_pct(direction)
+    if worsening > limit_pct:
+        return REGRESSION if worsening > band else UNRELIABLE
+    worst = new.low if direction == "higher" else new.high
+    if worst is not None and _worsening_pct(base.value, worst, direction) > max(limit_pct, band):
+        return UNRELIABLE
+    return OK
+
+
 @dataclass(frozen=True)
 class ComparisonRow:
     """One metric at one level. `ratio` = new / base. `limit_pct` is the allowed worsening in percent
-    and `noise_pct` = spread(base) + spread(new), how far two trial ranges can drift apart with no
-    real change. A row regresses when its worsening is past the limit (higher-is-better: new < base x
-    (1 − limit/100); lower-is-better: new > base x (1 + limit/100)) and larger than `noise_pct`.
-    `within_noise`: past the limit but not past the noise."""
+    (None: shown, not decided); `noise_pct` is the base's band (see `decide`, which sets `verdict`)."""
 
     level: str
     metric: str
@@ -101,12 +152,11 @@ class ComparisonRow:
     new: float
     direction: str
     limit_pct: float | None
-    regressed: bool
+    verdict: str
     base_low: float | None = None
     base_high: float | None = None
     new_low: float | None = None
     new_high: float | None = None
-    past_limit: bool = False
 
     @property
     def ratio(self) -> float:
@@ -115,14 +165,16 @@ class ComparisonRow:
         return self.new / self.base
 
     @property
-    def noise_pct(self) -> float:
-        base = Figure(self.base, self.base_low, self.base_high)
-        new = Figure(self.new, self.new_low, self.new_high)
-        return base.spread_pct + new.spread_pct
+    def regressed(self) -> bool:
+        return self.verdict == REGRESSION
 
     @property
-    def within_noise(self) -> bool:
-        return self.past_limit and not self.regressed
+    def unreliable(self) -> bool:
+        return self.verdict == UNRELIABLE
+
+    @property
+    def noise_pct(self) -> float:
+        return Figure(self.base, self.base_low, self.base_high).worse_spread_pct(self.direction)
 
     def cells(self) -> tuple[str, ...]:
         limit = (
@@ -130,8 +182,8 @@ class ComparisonRow:
             if self.limit_pct is None
             else f"{'-' if self.direction == 'higher' else '+'}{self.limit_pct:g}%"
         )
-        noise = f"±{self.noise_pct:.1f}%" if self.noise_pct > 0 else ""
-        verdict = "REGRESSION" if self.regressed else "within noise" if self.within_noise else ""
+        noise = f"{self.noise_pct:.1f}%" if self.noise_pct > 0 else ""
+        verdict = {REGRESSION: "REGRESSION", UNRELIABLE: "UNRELIABLE, rerun"}.get(self.verdict, "")
         return (
             self.level,
             self.metric,
@@ -157,24 +209,44 @@ class Comparison:
         return [row for row in self.rows if row.regressed]
 
     @property
-    def within_noise(self) -> list[ComparisonRow]:
-        return [row for row in self.rows if row.within_noise]
+    def unreliable(self) -> list[ComparisonRow]:
+        return [row for row in self.rows if row.unreliable]
+
+    @property
+    def decided(self) -> list[ComparisonRow]:
+        """Rows with a limit, compared on both sides (NaN rows included: they were there to compare)."""
+        return [row for row in self.rows if row.verdict]
 
     def header(self) -> tuple[str, ...]:
         base, new = self.base_target or "base", self.new_target or "new"
         if base == new:
             base, new = f"{base} (base)", f"{new} (new)"
-        return ("level", "metric", base, new, "new/base", "limit", "noise", "verdict")
+        return ("level", "metric", base, new, "new/base", "limit", "base noise", "verdict")
+
+    def exit_status(self) -> int:
+        """1 on a regression, else 4 when a row is unreliable (rerun), else 3 when no row with a limit
+        was compared on both sides (nothing was checked), else 0."""
+        if self.regressions:
+            return EXIT_REGRESSION
+        if self.unreliable:
+            return EXIT_UNRELIABLE
+        if not self.decided:
+            return EXIT_NOTHING_COMPARED
+        return EXIT_OK
 
     def verdict(self) -> str:
         count = len(self.regressions)
-        text = (
-            f"{count} regression{'s' if count != 1 else ''} past the limits and the noise"
-            if count
-            else "no regressions"
-        )
-        if self.within_noise:
-            text += f"; {len(self.within_noise)} past the limits but within noise"
+        if count:
+            text = f"{count} regression{'s' if count != 1 else ''} past the limits and the base's noise"
+        elif not self.decided:
+            return "nothing compared: no figure with a limit on both sides"
+        else:
+            text = "no regressions"
+        if self.unreliable:
+            text += (
+                f"; {len(self.unreliable)} unreliable (past a limit inside the base's noise, or a noisy "
+                "new run): rerun with more trials, or measure both with `bench ab`"
+            )
         return text
 
     def table(self) -> str:
@@ -199,7 +271,7 @@ class Comparison:
 
     def markdown(self) -> str:
         """A GitHub-flavoured table for a job summary: verdict, machine note, table, unmatched levels."""
-        mark = "❌" if self.regressions else "✅"
+        mark = "✅" if self.exit_status() == EXIT_OK else "❌"
         text = [f"### bench compare: {self.base_target or 'base'} → {self.new_target or 'new'}", ""]
         text += [f"{mark} **{self.verdict()}**", ""]
         if self.machine_note:
@@ -209,8 +281,8 @@ class Comparison:
         text.append("|" + "|".join(["---", "---", "---:", "---:", "---:", "---:", "---:", "---"]) + "|")
         for row in self.rows:
             cells = list(row.cells())
-            if cells[-1] == "REGRESSION":
-                cells[-1] = "**REGRESSION**"
+            if cells[-1]:
+                cells[-1] = f"**{cells[-1]}**"
             text.append("| " + " | ".join(_md(cell) for cell in cells) + " |")
         if self.unmatched:
             text += ["", *[f"- only on one side: {_md(name)}" for name in self.unmatched]]
@@ -234,10 +306,10 @@ def compare_results(
     new: Result | str | Path,
     max_drop: Mapping[str, float] = DEFAULT_MAX_DROP,
 ) -> Comparison:
-    """Match levels by (mode, rate) or (mode, concurrency) and compare every shown or limited metric
-    present on both sides; `capacity_req_s` is compared too when both have it, and the offline
-    section's entries matched by their key (`offline all`, `offline closed-8`, `offline probes`).
-    A NaN on either side is shown but never a regression."""
+    """Match levels by concurrency (closed loop) or by rate within RATE_TOLERANCE (open loop) and
+    compare every shown or limited metric present on both sides; `capacity_req_s` too when both have
+    it, and the offline section's entries by their key (`offline all`, `offline closed-8`, `offline
+    probes`). Which rows are limited: see `_limit`. A NaN on either side is shown, never decided."""
     base = base if isinstance(base, Result) else load_result(base)
     new = new if isinstance(new, Result) else load_result(new)
     for metric in max_drop:
@@ -248,40 +320,75 @@ def compare_results(
     if base.capacity_req_s is not None and new.capacity_req_s is not None:
         base_figure = _figure({**base.meta, "capacity_req_s": base.capacity_req_s}, "capacity_req_s", base)
         new_figure = _figure({**new.meta, "capacity_req_s": new.capacity_req_s}, "capacity_req_s", new)
-        rows.append(_row("sweep", "capacity_req_s", base_figure, new_figure, max_drop))
-    new_levels = {level_key(level): level for level in new.levels}
+        rows.append(_row("sweep", "capacity_req_s", base_figure, new_figure, max_drop.get("capacity_req_s")))
+    new_levels = list(new.levels)
     unmatched = []
     for level in sorted(base.levels, key=_level_order):
         level_id = level_key(level)
-        other = new_levels.pop(level_id, None)
+        other = _take_match(level_id, new_levels)
         if other is None:
             unmatched.append(f"{_level_name(level_id)} ({base.target or 'base'})")
             continue
+        saturated = (
+            level_id[0] == "open"
+            and base.capacity_req_s is not None
+            and level_id[1] >= BELOW_SATURATION * float(base.capacity_req_s)
+        )
         for metric in metrics:
             if metric in level and metric in other:
+                limit = _limit(metric, max_drop, saturated=saturated)
                 rows.append(
                     _row(
                         _level_name(level_id),
                         metric,
                         _figure(level, metric, base),
                         _figure(other, metric, new),
-                        max_drop,
+                        limit,
                     )
                 )
-    unmatched += [f"{_level_name(level_id)} ({new.target or 'new'})" for level_id in new_levels]
+    unmatched += [f"{_level_name(level_key(level))} ({new.target or 'new'})" for level in new_levels]
     for key, entry in base.offline.items():
         name = f"offline {key}"
         other = new.offline.get(key)
         if other is None:
             unmatched.append(f"{name} ({base.target or 'base'})")
             continue
+        same_steps = entry.get("steps") == other.get("steps")
         for metric in _offline_metrics(entry, max_drop):
             if metric in other:
+                limit = _limit(metric, max_drop, same_steps=same_steps)
                 rows.append(
-                    _row(name, metric, _figure(entry, metric, base), _figure(other, metric, new), max_drop)
+                    _row(name, metric, _figure(entry, metric, base), _figure(other, metric, new), limit)
                 )
     unmatched += [f"offline {key} ({new.target or 'new'})" for key in new.offline if key not in base.offline]
     return Comparison(base.target, new.target, rows, unmatched, machine_note(base, new))
+
+
+def _limit(
+    metric: str, max_drop: Mapping[str, float], saturated: bool = False, same_steps: bool = True
+) -> float | None:
+    """The metric's limit, except: latency and failures at an open-loop rate at or past
+    BELOW_SATURATION x the base's capacity (a queue, and load shedding, not a regression); step_ms
+    when the two sides took a different number of steps (a scheduler that makes fewer, larger steps
+    raises step_ms and is judged by its tokens/s)."""
+    if saturated and metric_direction(metric) == "lower":
+        return None
+    if metric == "step_ms" and not same_steps:
+        return None
+    return max_drop.get(metric)
+
+
+def _take_match(level_id: tuple[str, float], candidates: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Remove and return the level of `candidates` that is `level_id`: the same concurrency, or a rate
+    within RATE_TOLERANCE (relative)."""
+    mode, value = level_id
+    for i, level in enumerate(candidates):
+        other_mode, other = level_key(level)
+        if other_mode != mode:
+            continue
+        if other == value or (mode == "open" and math.isclose(other, value, rel_tol=RATE_TOLERANCE)):
+            return candidates.pop(i)
+    return None
 
 
 def _offline_metrics(entry: Mapping[str, Any], max_drop: Mapping[str, float]) -> list[str]:
@@ -311,19 +418,9 @@ def _number(value: Any) -> float | None:
     return None if math.isnan(number) else number
 
 
-def _row(level: str, metric: str, base: Figure, new: Figure, max_drop: Mapping[str, float]) -> ComparisonRow:
+def _row(level: str, metric: str, base: Figure, new: Figure, limit: float | None) -> ComparisonRow:
     direction = metric_direction(metric)
     assert direction is not None
-    limit = max_drop.get(metric)
-    past_limit = regressed = False
-    if limit is not None and not (math.isnan(base.value) or math.isnan(new.value)):
-        if direction == "higher":
-            past_limit = new.value < base.value * (1 - limit / 100)
-        else:
-            past_limit = new.value > base.value * (1 + limit / 100)
-        regressed = past_limit and _worsening_pct(base.value, new.value, direction) > (
-            base.spread_pct + new.spread_pct
-        )
     return ComparisonRow(
         level,
         metric,
@@ -331,12 +428,11 @@ def _row(level: str, metric: str, base: Figure, new: Figure, max_drop: Mapping[s
         new.value,
         direction,
         limit,
-        regressed,
+        decide(base, new, direction, limit),
         base.low,
         base.high,
         new.low,
         new.high,
-        past_limit,
     )
 
 

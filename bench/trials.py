@@ -35,6 +35,7 @@ OFFLINE_KEYS = (
     "tpot_p50_s",
     "e2e_p50_s",
     "failures",
+    "steps",
     "step_ms",
     "single_ttft_s",
     "single_tpot_s",
