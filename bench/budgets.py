@@ -30,16 +30,44 @@ BUDGETED_METRICS = ("capacity_req_s", "output_tok_s", "ttft_p50_s", "tpot_p50_s"
 BELOW_SATURATION = 0.8  # open-loop latency is budgeted at rates under this fraction of the engine's capacity
 
 
+ANY_LEVEL = "*"
+LEVEL_KEYS = {  # what a per-level budget's keys name, for messages
+    "output_tok_s": "concurrency",
+    "ttft_p50_s": "rate",
+    "tpot_p50_s": "rate",
+    "offline_output_tok_s": "offline mode",
+    "offline_single_tpot_s": "offline mode",
+    "offline_prefill_tok_s": "offline mode",
+}
+RATE_TOLERANCE = 0.01  # open-loop rates within 1 % of each other are one level (bisection gives floats)
+
+
 @dataclass(frozen=True)
 class Budget:
     metric: str
     value: float
     reason: str = ""
+    level: str = ANY_LEVEL  # the level it holds ("8" in flight, rate "2", offline mode "all"), or any
 
     @property
     def lenient(self) -> bool:
         direction = metric_direction(OFFLINE_BUDGETS.get(self.metric, self.metric))
         return self.value < 0.5 if direction == "higher" else self.value > 2.0
+
+
+# {metric: {level key or ANY_LEVEL: Budget}} for one reference.
+Budgets = Mapping[str, Mapping[str, Budget]]
+
+
+def level_name(value: float) -> str:
+    """A level's key in the budget file: 8 -> "8", 0.5 -> "0.5"."""
+    return f"{value:g}"
+
+
+def budget_for(budgets: Budgets, metric: str, level: str) -> Budget | None:
+    """The budget of `metric` at `level`: its own, else the metric's any-level one, else None."""
+    entries = budgets.get(metric) or {}
+    return entries.get(level) or entries.get(ANY_LEVEL)
 
 
 @dataclass(frozen=True)
@@ -49,6 +77,7 @@ class BudgetCheck:
     value: float
     reference: float
     budget: float
+    skipped: str = ""  # why this check could not be made (no such level in the reference, no budget)
 
     @property
     def ratio(self) -> float:
@@ -56,22 +85,36 @@ class BudgetCheck:
 
     @property
     def passed(self) -> bool:
-        if math.isnan(self.value) or math.isnan(self.reference):
+        """A made check that holds. A skipped check is not a pass: callers list it, by name."""
+        if self.skipped or math.isnan(self.value) or math.isnan(self.reference):
             return False
         if metric_direction(self.metric) == "higher":
             return self.value >= self.budget * self.reference
         return self.value <= self.budget * self.reference
 
+    @property
+    def failed(self) -> bool:
+        return not self.skipped and not self.passed
+
     def describe(self) -> str:
+        if self.skipped:
+            return f"{self.level} {self.metric}: skipped, {self.skipped}"
         sign = ">=" if metric_direction(self.metric) == "higher" else "<="
         verdict = "ok" if self.passed else "FAILS"
         return f"{self.level} {self.metric}: {self.value:.4g} vs reference {self.reference:.4g} = {self.ratio:.3f}x (budget {sign} {self.budget:g}x) {verdict}"
 
 
-def load_budgets(path: str | Path) -> dict[str, dict[str, Budget]]:
-    """{reference target: {metric: Budget}}; refuses unknown metrics and lenient budgets without a reason."""
+def skipped(level: str, metric: str, why: str) -> BudgetCheck:
+    return BudgetCheck(level, metric, math.nan, math.nan, math.nan, skipped=why)
+
+
+def load_budgets(path: str | Path) -> dict[str, dict[str, dict[str, Budget]]]:
+    """{reference target: {metric: {level: Budget}}}. A metric's entry is one budget for every level
+    (a number or `{ budget, reason }`, stored under ANY_LEVEL) or a table of them by level (`[vllm.
+    output_tok_s]` with `1 = ...`, `8 = ...`). Refuses unknown metrics and lenient budgets without a
+    reason."""
     raw = tomllib.loads(Path(path).read_text())
-    budgets: dict[str, dict[str, Budget]] = {}
+    budgets: dict[str, dict[str, dict[str, Budget]]] = {}
     for reference, entries in raw.items():
         budgets[reference] = {}
         for metric, entry in entries.items():
@@ -79,99 +122,139 @@ def load_budgets(path: str | Path) -> dict[str, dict[str, Budget]]:
                 raise ValueError(
                     f"{path}: [{reference}] {metric} is not a budgeted metric {BUDGETED_METRICS}"
                 )
-            value, reason = (
-                (entry["budget"], entry.get("reason", "")) if isinstance(entry, dict) else (entry, "")
-            )
-            budget = Budget(metric, float(value), str(reason).strip())
-            if budget.lenient and not budget.reason:
-                raise ValueError(
-                    f"{path}: [{reference}] {metric} = {budget.value} is lenient and needs a one-line reason"
+            per_level = isinstance(entry, dict) and "budget" not in entry
+            levels = entry if per_level else {ANY_LEVEL: entry}
+            budgets[reference][metric] = {}
+            for level, item in levels.items():
+                if per_level and LEVEL_KEYS.get(metric) in ("rate", "concurrency"):
+                    try:
+                        float(level)
+                    except ValueError:
+                        raise ValueError(
+                            f"{path}: [{reference}.{metric}] {level!r} is not a {LEVEL_KEYS[metric]} (a plain "
+                            "key after a [table] header lands in that table: put plain keys first)"
+                        ) from None
+                value, reason = (
+                    (item["budget"], item.get("reason", "")) if isinstance(item, dict) else (item, "")
                 )
-            budgets[reference][metric] = budget
+                budget = Budget(metric, float(value), str(reason).strip(), str(level))
+                where = f"[{reference}] {metric}" + ("" if level == ANY_LEVEL else f" at {level}")
+                if budget.lenient and not budget.reason:
+                    raise ValueError(
+                        f"{path}: {where} = {budget.value} is lenient and needs a one-line reason"
+                    )
+                budgets[reference][metric][str(level)] = budget
     return budgets
 
 
-def _levels(summary: Mapping[str, Any], section: str, key: str) -> dict[float, Mapping[str, Any]]:
-    return {float(level[key]): level for level in summary.get(section) or []}
+def _match(levels: list[Mapping[str, Any]], key: str, value: float) -> Mapping[str, Any] | None:
+    """The level whose `key` is `value` (rates within RATE_TOLERANCE), or None."""
+    for level in levels:
+        other = float(level[key])
+        if other == value or (key == "rate" and math.isclose(other, value, rel_tol=RATE_TOLERANCE)):
+            return level
+    return None
 
 
 def check_sweep(
     capacity: float,
     open_levels: list[Mapping[str, Any]],
     reference: Mapping[str, Any],
-    budgets: Mapping[str, Budget],
+    budgets: Budgets,
 ) -> list[BudgetCheck]:
-    """Capacity, and TTFT/TPOT p50 at every rate both ran below BELOW_SATURATION x the engine's capacity."""
+    """Capacity, and TTFT/TPOT p50 at every rate below BELOW_SATURATION x the engine's capacity, each
+    with its rate's budget; a rate the reference lacks, or that has no budget, is a skipped check."""
     checks: list[BudgetCheck] = []
-    if "capacity_req_s" in budgets and reference.get("capacity_req_s") is not None:
-        checks.append(
-            BudgetCheck(
-                "sweep",
-                "capacity_req_s",
-                capacity,
-                float(reference["capacity_req_s"]),
-                budgets["capacity_req_s"].value,
+    if (budget := budget_for(budgets, "capacity_req_s", ANY_LEVEL)) is not None:
+        if reference.get("capacity_req_s") is None:
+            checks.append(skipped("sweep", "capacity_req_s", "the reference has no capacity"))
+        else:
+            checks.append(
+                BudgetCheck(
+                    "sweep", "capacity_req_s", capacity, float(reference["capacity_req_s"]), budget.value
+                )
             )
-        )
-    ref_levels = _levels(reference, "open_loop", "rate")
+    ref_levels = list(reference.get("open_loop") or [])
     for level in open_levels:
         rate = float(level["rate"])
-        if rate >= BELOW_SATURATION * capacity or rate not in ref_levels:
+        if rate >= BELOW_SATURATION * capacity:
             continue
+        name = f"rate {rate:g}/s"
+        ref_level = _match(ref_levels, "rate", rate)
         for metric in ("ttft_p50_s", "tpot_p50_s"):
-            if metric in budgets:
+            if metric not in budgets:
+                continue
+            budget = budget_for(budgets, metric, level_name(rate))
+            if budget is None:
+                checks.append(skipped(name, metric, f"no budget for rate {rate:g} in the budget file"))
+            elif ref_level is None:
+                checks.append(skipped(name, metric, f"the reference has no rate {rate:g}/s"))
+            else:
                 checks.append(
-                    BudgetCheck(
-                        f"rate {rate:g}/s",
-                        metric,
-                        float(level[metric]),
-                        float(ref_levels[rate][metric]),
-                        budgets[metric].value,
-                    )
+                    BudgetCheck(name, metric, float(level[metric]), float(ref_level[metric]), budget.value)
                 )
     return checks
 
 
 def check_closed(
-    concurrency: int, level: Mapping[str, Any], reference: Mapping[str, Any], budgets: Mapping[str, Budget]
+    concurrency: int, level: Mapping[str, Any], reference: Mapping[str, Any], budgets: Budgets
 ) -> list[BudgetCheck]:
-    ref_level = _levels(reference, "closed_loop", "concurrency").get(float(concurrency))
-    if ref_level is None or "output_tok_s" not in budgets:
+    """output_tok_s at this concurrency against its own budget; a skipped check, by name, when the
+    reference lacks the level or the file has no budget for it."""
+    if "output_tok_s" not in budgets:
         return []
+    name = f"concurrency {concurrency}"
+    budget = budget_for(budgets, "output_tok_s", level_name(concurrency))
+    if budget is None:
+        return [skipped(name, "output_tok_s", f"no budget for concurrency {concurrency} in the budget file")]
+    ref_level = _match(list(reference.get("closed_loop") or []), "concurrency", float(concurrency))
+    if ref_level is None:
+        return [skipped(name, "output_tok_s", f"the reference has no concurrency {concurrency}")]
     return [
         BudgetCheck(
-            f"concurrency {concurrency}",
-            "output_tok_s",
-            float(level["output_tok_s"]),
-            float(ref_level["output_tok_s"]),
-            budgets["output_tok_s"].value,
+            name, "output_tok_s", float(level["output_tok_s"]), float(ref_level["output_tok_s"]), budget.value
         )
     ]
 
 
 def check_offline(
-    offline: Mapping[str, Mapping[str, Any]], reference: Mapping[str, Any], budgets: Mapping[str, Budget]
+    offline: Mapping[str, Mapping[str, Any]], reference: Mapping[str, Any], budgets: Budgets
 ) -> list[BudgetCheck]:
-    """Each offline budget on every offline entry (`all`, `closed-8`, `probes`) that both the new
-    section and the reference's have with that figure."""
+    """Each offline budget on every offline entry (`all`, `closed-8`, `probes`) that has its figure,
+    with the entry's own budget (else the any-mode one); skipped, by name, where the reference lacks
+    the entry or figure, or the file has no budget for that mode."""
     reference_section = reference.get("offline") or {}
     checks = []
     for key, entry in offline.items():
-        reference_entry = reference_section.get(key)
-        if reference_entry is None:
-            continue
+        reference_entry = reference_section.get(key) or {}
         for name, metric in OFFLINE_BUDGETS.items():
-            if name in budgets and _number(entry.get(metric)) and _number(reference_entry.get(metric)):
+            if name not in budgets or not _number(entry.get(metric)):
+                continue
+            budget = budget_for(budgets, name, key)
+            level = f"offline {key}"
+            if budget is None:
+                checks.append(skipped(level, metric, f"no {name} budget for offline mode {key!r}"))
+            elif not _number(reference_entry.get(metric)):
+                checks.append(skipped(level, metric, f"the reference has no offline {key} {metric}"))
+            else:
                 checks.append(
                     BudgetCheck(
-                        f"offline {key}",
-                        metric,
-                        float(entry[metric]),
-                        float(reference_entry[metric]),
-                        budgets[name].value,
+                        level, metric, float(entry[metric]), float(reference_entry[metric]), budget.value
                     )
                 )
     return checks
+
+
+def may_store_baseline(checks: list[BudgetCheck], failed_cases: int, force: bool) -> str | None:
+    """None when a run may be stored as a baseline, else why not: a run whose budgets failed, or whose
+    cases failed (failed requests), would become the reference the next runs are held to."""
+    if force:
+        return None
+    failed = [check.describe() for check in checks if check.failed]
+    if failed or failed_cases:
+        what = f"{len(failed)} budget check(s) failed" if failed else f"{failed_cases} case(s) failed"
+        return f"not stored: {what}; fix it, or store anyway with --force"
+    return None
 
 
 def _number(value: Any) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from bench.budgets import BudgetCheck, load_budgets
+from bench.budgets import BudgetCheck, load_budgets, may_store_baseline
 from bench.client import Endpoint
 from bench.launch import ServerProcess, ServerSpec, load_server_info, vllm_unavailable_reason
 from bench.machine import describe_machine, same_machine
@@ -33,6 +34,18 @@ from bench.workload import WorkloadSpec
 
 REPO = Path(__file__).resolve().parents[2]
 BUDGETS_FILE = Path(__file__).with_name("budgets.toml")
+# Switches read from the environment (the tier's command-line options live in the root conftest.py):
+# PERF_REQUIRE_REFERENCE=1: no reference for this GPU and model fails the case (with what to do)
+# instead of skipping it, so a CI job cannot be green having checked nothing (perf.yml sets it).
+# PERF_FORCE_SAVE=1: --save-baseline stores the run even when its budgets or cases failed.
+REQUIRE_REFERENCE = "PERF_REQUIRE_REFERENCE"
+FORCE_SAVE = "PERF_FORCE_SAVE"
+
+
+def _switch(name: str) -> bool:
+    return os.environ.get(name, "") not in ("", "0")
+
+
 SEED_MIX = WorkloadSpec(kind="seed-mix", seed=0)
 
 
@@ -252,6 +265,7 @@ class Reference:
     summary: dict[str, Any]
     source: str
     same_machine: bool
+    same_run: bool = False  # vLLM measured in this session
 
     @property
     def target(self) -> str:
@@ -300,7 +314,7 @@ class Recorder:
         vllm = self.records.get("vllm")
         if vllm is not None and vllm.measured:
             return Reference(
-                self.records["vllm"].summary(self.perf.trials), "vLLM measured in this session", True
+                self.records["vllm"].summary(self.perf.trials), "vLLM measured in this session", True, True
             )
         candidates = (
             [Path(self.perf.baseline)]
@@ -326,13 +340,21 @@ class Recorder:
             return  # vLLM is the reference: measured and recorded, nothing to hold it to
         reference = self.reference_for(target)
         if reference is None:
-            pytest.skip(
-                f"no baseline for {self.perf.machine['gpu_slug']}/{self.perf.model_key} (looked in {self.perf.baseline_dir().relative_to(REPO)}): figures recorded, budgets not checked"
+            self.nothing_to_hold(
+                f"no baseline for {self.perf.machine['gpu_slug']}/{self.perf.model_key} (looked in "
+                f"{self.perf.baseline_dir().relative_to(REPO)}): figures recorded, budgets not checked. "
+                "Measure vLLM in the same run (--target both), or store a reference on this GPU "
+                "(pytest -m perf --target vllm --save-baseline) and commit it"
             )
+            return
         budgets = self.budgets.get(reference.target)
         if not budgets:
-            pytest.skip(f"{BUDGETS_FILE.name} has no budgets against a {reference.target!r} reference")
+            self.nothing_to_hold(
+                f"{BUDGETS_FILE.name} has no budgets against a {reference.target!r} reference"
+            )
+            return
         if section is not None and not reference.summary.get(section):
+            # a named skip even under PERF_REQUIRE_REFERENCE: the HTTP cases still hold the run
             pytest.skip(f"the reference, {reference.source}, has no {section} figures: recorded, not checked")
         checks = checks_for(reference.summary, budgets)
         record.checks += checks
@@ -344,11 +366,21 @@ class Recorder:
         note = f"against {reference.source}{flag}"
         if note not in record.notes:
             record.notes.append(note)
-        failed = [c.describe() for c in checks if not c.passed]
+        failed = [c.describe() for c in checks if c.failed]
         assert not failed, f"budgets missed {note}:\n" + "\n".join(failed)
 
-    def write(self, final: bool = True) -> list[Path]:
-        """One summary JSON per measured target; with --save-baseline, also under baselines/.
+    def nothing_to_hold(self, why: str) -> None:
+        """No reference or no budgets: a skip, or with PERF_REQUIRE_REFERENCE=1 a failure."""
+        if _switch(REQUIRE_REFERENCE):
+            pytest.fail(
+                f"{why} ({REQUIRE_REFERENCE}=1: a case with nothing to hold it to fails)", pytrace=False
+            )
+        pytest.skip(why)
+
+    def write(self, final: bool = True, failed_cases: int = 0) -> list[Path]:
+        """One summary JSON per measured target; with --save-baseline, also under baselines/, unless
+        its budgets or cases failed (PERF_FORCE_SAVE=1 stores it anyway); the report shows each stored
+        reference a target was held to beside the run.
 
         Called after every case too (final=False), so a run cut short still leaves its figures."""
         written = []
@@ -361,13 +393,33 @@ class Recorder:
             path.write_text(json.dumps(summary, indent=2, allow_nan=False, default=_no_nan) + "\n")
             written.append(path)
             if self.perf.save_baseline and final:
+                refused = may_store_baseline(record.checks, failed_cases, _switch(FORCE_SAVE))
+                if refused:
+                    record.notes.append(f"{refused} (PERF_FORCE_SAVE=1)")
+                    continue
                 stored = self.perf.baseline_dir() / path.name
                 stored.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(path, stored)
                 record.notes.append(f"stored as {stored.relative_to(REPO)}")
         if written and final:
-            write_report(written, self.perf.out / "report.html")
+            write_report([*written, *self.stored_references()], self.perf.out / "report.html")
         return written
+
+    def stored_references(self) -> list[Path]:
+        """The stored files the measured targets were held to (not a vLLM of this same run, which the
+        report shows already), labelled as references in a copy under --perf-out."""
+        paths = []
+        for target, record in self.records.items():
+            reference = self.reference_for(target) if record.measured else None
+            if reference is None or reference.same_run:
+                continue
+            labelled = dict(
+                reference.summary, target=f"reference: {reference.target} ({reference.summary.get('date')})"
+            )
+            path = self.perf.out / f"reference-for-{target}.json"
+            path.write_text(json.dumps(labelled, indent=2) + "\n")
+            paths.append(path)
+        return paths
 
 
 def _no_nan(value: object) -> object:
@@ -375,11 +427,11 @@ def _no_nan(value: object) -> object:
 
 
 @pytest.fixture(scope="session")
-def recorder(perf: PerfSettings, pytestconfig: pytest.Config):
+def recorder(perf: PerfSettings, pytestconfig: pytest.Config, request: pytest.FixtureRequest):
     rec = Recorder(perf)
     pytestconfig._perf_recorder = rec  # type: ignore[attr-defined]
     yield rec
-    rec.write()
+    rec.write(failed_cases=request.session.testsfailed)
 
 
 # -- the server under test -------------------------------------------------------------------------

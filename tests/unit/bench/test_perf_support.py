@@ -10,7 +10,16 @@ from pathlib import Path
 import pytest
 
 from bench.__main__ import main as bench_main
-from bench.budgets import BudgetCheck, check_closed, check_sweep, load_budgets
+from bench.budgets import (
+    ANY_LEVEL,
+    Budget,
+    BudgetCheck,
+    check_closed,
+    check_offline,
+    check_sweep,
+    load_budgets,
+    may_store_baseline,
+)
 from bench.launch import ServerProcess, ServerSpec, engine_args, free_port, vllm_args
 from bench.machine import gpu_slug, same_machine
 from bench.results import load_result
@@ -71,8 +80,14 @@ def test_the_reviewed_budget_file_loads():
     budgets = load_budgets(BUDGETS_FILE)
     assert {"vllm", "engine"} <= set(budgets)
     for section in budgets.values():
-        for budget in section.values():
-            assert not budget.lenient or budget.reason
+        for levels in section.values():
+            for budget in levels.values():
+                assert not budget.lenient or budget.reason
+    # one budget per closed-loop level of the full profile against vLLM, each its own
+    vllm_output = budgets["vllm"]["output_tok_s"]
+    assert set(vllm_output) == {"1", "8", "32", "128", "256"}
+    assert len({budget.value for budget in vllm_output.values()}) == 5
+    assert set(budgets["vllm"]["ttft_p50_s"]) == set(budgets["vllm"]["tpot_p50_s"]) == {"1", "2", "4"}
 
 
 def test_lenient_budget_without_reason_is_refused(tmp_path):
@@ -81,36 +96,122 @@ def test_lenient_budget_without_reason_is_refused(tmp_path):
     with pytest.raises(ValueError, match="reason"):
         load_budgets(path)
     path.write_text("[vllm]\ncapacity_req_s = { budget = 0.3, reason = 'not tuned yet' }\nttft_p50_s = 1.5\n")
-    assert load_budgets(path)["vllm"]["ttft_p50_s"].value == 1.5
+    assert load_budgets(path)["vllm"]["ttft_p50_s"][ANY_LEVEL].value == 1.5
     path.write_text("[vllm]\nitl_p50_s = 1.5\n")
     with pytest.raises(ValueError, match="not a budgeted metric"):
         load_budgets(path)
+    path.write_text("[vllm.output_tok_s]\n1 = 0.6\n8 = 0.3\n")
+    with pytest.raises(ValueError, match="output_tok_s at 8 = 0.3 is lenient"):
+        load_budgets(path)
+    # a plain key after a [table] header lands in that table: refused, not read as a level
+    path.write_text("[vllm.tpot_p50_s]\n1 = 1.5\noffline_single_tpot_s = 1.1\n")
+    with pytest.raises(ValueError, match="not a rate"):
+        load_budgets(path)
+
+
+def _budgets(**values):
+    """{metric: {level: Budget}} from metric=value (any level) or metric={level: value}."""
+    return {
+        metric: {
+            level: Budget(metric, value, "r", level)
+            for level, value in (spec.items() if isinstance(spec, dict) else [(ANY_LEVEL, spec)])
+        }
+        for metric, spec in values.items()
+    }
+
+
+REFERENCE = {
+    "capacity_req_s": 10.0,
+    "open_loop": [
+        {"rate": 2.0, "ttft_p50_s": 0.1, "tpot_p50_s": 0.01},
+        {"rate": 4.0, "ttft_p50_s": 0.1, "tpot_p50_s": 0.01},
+    ],
+    "closed_loop": [{"concurrency": 1, "output_tok_s": 100.0}, {"concurrency": 8, "output_tok_s": 1000.0}],
+}
 
 
 def test_budget_checks_read_directions_and_saturation():
-    budgets = {"capacity_req_s": 0.5, "ttft_p50_s": 2.0, "tpot_p50_s": 2.0, "output_tok_s": 0.5}
-    budgets = {k: type("B", (), {"value": v})() for k, v in budgets.items()}
-    reference = {
-        "capacity_req_s": 10.0,
-        "open_loop": [
-            {"rate": 2.0, "ttft_p50_s": 0.1, "tpot_p50_s": 0.01},
-            {"rate": 4.0, "ttft_p50_s": 0.1, "tpot_p50_s": 0.01},
-        ],
-        "closed_loop": [{"concurrency": 8, "output_tok_s": 1000.0}],
-    }
+    budgets = _budgets(capacity_req_s=0.5, ttft_p50_s=2.0, tpot_p50_s=2.0, output_tok_s=0.5)
     ours = [
         {"rate": 2.0, "ttft_p50_s": 0.15, "tpot_p50_s": 0.03},
         {"rate": 4.0, "ttft_p50_s": 9.0, "tpot_p50_s": 9.0},
     ]
-    checks = check_sweep(4.5, ours, reference, budgets)
+    checks = check_sweep(4.5, ours, REFERENCE, budgets)
     by_name = {(c.level, c.metric): c for c in checks}
     assert not by_name[("sweep", "capacity_req_s")].passed  # 4.5 < 0.5 x 10
     assert by_name[("rate 2/s", "ttft_p50_s")].passed  # 0.15 <= 2 x 0.1
     assert not by_name[("rate 2/s", "tpot_p50_s")].passed  # 0.03 > 2 x 0.01
     assert ("rate 4/s", "ttft_p50_s") not in by_name  # 4 >= 0.8 x 4.5: saturated, not budgeted
-    closed = check_closed(8, {"output_tok_s": 600.0}, reference, budgets)
+    closed = check_closed(8, {"output_tok_s": 600.0}, REFERENCE, budgets)
     assert [c.passed for c in closed] == [True]
-    assert check_closed(32, {"output_tok_s": 1.0}, reference, budgets) == []
+
+
+def test_each_figure_and_level_has_its_own_budget():
+    # distinct budgets, so a check that read another figure's or level's budget would decide otherwise
+    budgets = _budgets(
+        capacity_req_s=0.9,
+        output_tok_s={"1": 0.3, "8": 0.7},
+        ttft_p50_s={"2": 1.2},
+        tpot_p50_s={"2": 3.0},
+    )
+    # capacity 0.8x: fails its 0.9 budget (would pass output's 0.7 or 0.3)
+    # 1 in flight at 0.4x passes its 0.3; 8 in flight at 0.6x fails its 0.7
+    assert [c.passed for c in check_closed(1, {"output_tok_s": 40.0}, REFERENCE, budgets)] == [True]
+    assert [c.passed for c in check_closed(8, {"output_tok_s": 600.0}, REFERENCE, budgets)] == [False]
+    ours = [{"rate": 2.0, "ttft_p50_s": 0.15, "tpot_p50_s": 0.025}]  # TTFT 1.5x > 1.2, TPOT 2.5x <= 3
+    by_name = {(c.level, c.metric): c for c in check_sweep(8.0, ours, REFERENCE, budgets)}
+    assert not by_name[("sweep", "capacity_req_s")].passed
+    assert not by_name[("rate 2/s", "ttft_p50_s")].passed
+    assert by_name[("rate 2/s", "tpot_p50_s")].passed
+
+
+def test_a_level_without_reference_or_budget_is_a_named_skip():
+    budgets = _budgets(output_tok_s={"1": 0.5, "32": 0.5}, ttft_p50_s={"2": 2.0})
+    (missing,) = check_closed(32, {"output_tok_s": 1.0}, REFERENCE, budgets)
+    assert missing.skipped and not missing.passed and not missing.failed
+    assert "concurrency 32 output_tok_s: skipped, the reference has no concurrency 32" == missing.describe()
+    (unbudgeted,) = check_closed(8, {"output_tok_s": 1.0}, REFERENCE, budgets)
+    assert "no budget for concurrency 8" in unbudgeted.describe()
+    checks = check_sweep(10.0, [{"rate": 1.0, "ttft_p50_s": 1.0}], REFERENCE, budgets)
+    assert [c.describe() for c in checks] == [
+        "rate 1/s ttft_p50_s: skipped, no budget for rate 1 in the budget file"
+    ]
+
+
+def test_rates_match_the_reference_within_a_tolerance():
+    budgets = _budgets(ttft_p50_s=2.0)
+    ours = [{"rate": 2.0 * 1.004, "ttft_p50_s": 0.3}, {"rate": 4.2, "ttft_p50_s": 0.1}]
+    checks = check_sweep(10.0, ours, REFERENCE, budgets)
+    assert [(c.level, c.skipped != "", c.failed) for c in checks] == [
+        ("rate 2.008/s", False, True),  # matched to 2.0 and held (0.3 > 2 x 0.1)
+        ("rate 4.2/s", True, False),  # 5 % away: not the reference's 4
+    ]
+
+
+def test_offline_budgets_by_mode():
+    budgets = _budgets(offline_output_tok_s={"all": 1.2}, offline_single_tpot_s=1.1)
+    reference = {"offline": {"all": {"output_tok_s": 100.0}, "probes": {"single_tpot_s": 0.002}}}
+    ours = {
+        "all": {"output_tok_s": 115.0},
+        "closed-8": {"output_tok_s": 50.0},
+        "probes": {"single_tpot_s": 0.0021},
+    }
+    described = [c.describe() for c in check_offline(ours, reference, budgets)]
+    assert (
+        described[0].startswith("offline all output_tok_s: 115 vs reference 100") and "FAILS" in described[0]
+    )
+    assert "no offline_output_tok_s budget for offline mode 'closed-8'" in described[1]
+    assert described[2].startswith("offline probes single_tpot_s") and described[2].endswith("ok")
+
+
+def test_a_failed_run_is_not_stored_as_a_baseline():
+    ok = BudgetCheck("sweep", "capacity_req_s", 5.0, 10.0, 0.5)
+    bad = BudgetCheck("sweep", "capacity_req_s", 4.0, 10.0, 0.5)
+    skip = BudgetCheck("c", "output_tok_s", math.nan, math.nan, math.nan, skipped="no level")
+    assert may_store_baseline([ok, skip], failed_cases=0, force=False) is None
+    assert "1 budget check(s) failed" in may_store_baseline([ok, bad], 0, False)
+    assert "2 case(s) failed" in may_store_baseline([ok], 2, False)
+    assert may_store_baseline([bad], 2, force=True) is None
 
 
 def test_budget_check_capacity_boundary():
