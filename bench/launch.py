@@ -21,6 +21,8 @@ from pathlib import Path
 
 import httpx
 
+from bench import slowdown
+
 VLLM_ENV_VARIABLE = "PERF_VLLM_ENV"
 # The context both targets are started with: seed-mix prompts reach 4,096 tokens, plus up to 256 generated.
 MAX_MODEL_LEN = 4352
@@ -69,7 +71,9 @@ class ServerSpec:
     def command(self) -> list[str]:
         host = ["--host", "127.0.0.1", "--port", str(self.port)]
         if self.target == "engine":
-            return [sys.executable, "-m", "server", "--model", self.model_dir, *host, *self.args]
+            return slowdown.wrap(
+                [sys.executable, "-m", "server", "--model", self.model_dir, *host, *self.args], "engine"
+            )
         if self.target == "vllm":
             launch = [
                 sys.executable,

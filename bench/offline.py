@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench import slowdown
 from bench.launch import MAX_MODEL_LEN, sourcing, vllm_env_file, vllm_unavailable_reason
 from bench.machine import describe_machine
 from bench.metrics import STEP_TIMING, RequestRow, probe_figures, summarize
@@ -119,7 +120,9 @@ class OfflineRun:
 
 def worker_command(config: OfflineConfig, config_path: Path, result_path: Path) -> list[str]:
     """The child's command line; vLLM's through $PERF_VLLM_ENV when that is set, as its server's."""
-    command = [sys.executable, "-m", "bench.offline_worker", str(config_path), str(result_path)]
+    command = slowdown.wrap(
+        [sys.executable, "-m", "bench.offline_worker", str(config_path), str(result_path)], config.target
+    )
     return sourcing(vllm_env_file() if config.target == "vllm" else None, command)
 
 

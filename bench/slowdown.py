@@ -1,0 +1,66 @@
+"""Test-only: run a module with this project's engine made FACTOR times slower, to show that the
+perf tier's budgets catch a slowdown (tests/unit/bench/test_smoke_catches_slowdown.py). Never part of
+a measurement.
+
+`python -m bench.slowdown FACTOR MODULE ARGS...` wraps `engine.LLMEngine.step` so each call sleeps
+(FACTOR − 1) x its own wall time after it, then runs MODULE as `python -m MODULE ARGS...` would.
+bench.launch (the server) and bench.offline (the offline worker) start the engine through it when
+PERF_INJECT_SLOWDOWN=FACTOR is set; like bench.offline_worker, it imports the engine only in that child.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import time
+from typing import Any
+
+VARIABLE = "PERF_INJECT_SLOWDOWN"
+
+
+def factor() -> float | None:
+    """The factor PERF_INJECT_SLOWDOWN asks for, or None when it is unset (the normal case)."""
+    text = os.environ.get(VARIABLE, "")
+    if not text:
+        return None
+    value = float(text)
+    if value < 1:
+        raise ValueError(f"{VARIABLE}={text}: a slowdown factor is at least 1")
+    return value
+
+
+def wrap(command: list[str], target: str) -> list[str]:
+    """`command` (`[python, "-m", MODULE, ...]`) through this module when a slowdown is asked for and
+    the target is the engine; unchanged otherwise."""
+    slowdown = factor()
+    if slowdown is None or target != "engine":
+        return command
+    assert command[1] == "-m", command
+    return [command[0], "-m", "bench.slowdown", f"{slowdown:g}", *command[2:]]
+
+
+def slow_down_engine(slowdown: float) -> None:
+    from engine import LLMEngine
+
+    step = LLMEngine.step
+
+    def slow_step(self: Any) -> Any:
+        started = time.perf_counter()
+        outputs = step(self)
+        time.sleep((slowdown - 1) * (time.perf_counter() - started))
+        return outputs
+
+    LLMEngine.step = slow_step  # type: ignore[method-assign]
+
+
+def main() -> None:
+    slowdown, module, *args = sys.argv[1:]
+    slow_down_engine(float(slowdown))
+    print(f"[bench.slowdown] engine steps made {float(slowdown):g}x slower (test-only)", file=sys.stderr)
+    sys.argv = [module, *args]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()
