@@ -4,7 +4,8 @@
 step-level engine in a child process (bench.offline.run_offline); `report` calls
 bench.report.write_report; `compare` calls bench.compare.compare_results and exits 1 on a regression;
 `merge` folds single-trial perf summaries run separately (bench.trials.merge_summaries); `serve`
-starts a target's server as the perf tier would and leaves it running (bench.launch).
+starts a target's server as the perf tier would and leaves it running (bench.launch); `ab` measures
+two commits on this machine, interleaved, and compares them (bench.ab).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from urllib.parse import urlparse
 
 import httpx
 
+from bench.ab import AbConfig, AbError, run_ab
 from bench.client import Endpoint
-from bench.compare import DEFAULT_MAX_DROP, compare_results, parse_max_drop
+from bench.compare import DEFAULT_MAX_DROP, EXIT_BAD_INPUT, compare_results, parse_max_drop
 from bench.launch import MAX_MODEL_LEN, ServerProcess, ServerSpec
 from bench.metrics import parse_slo
 from bench.offline import (
@@ -36,6 +38,7 @@ from bench.offline import (
     run_offline,
 )
 from bench.probe import first_model
+from bench.profiles import PROFILES
 from bench.report import write_report
 from bench.results import json_safe, write_run
 from bench.runner import LoadConfig, SweepConfig
@@ -155,6 +158,29 @@ def build_parser() -> argparse.ArgumentParser:
         default="text",
         help="text: an aligned table; markdown: a GitHub-flavoured table (e.g. for $GITHUB_STEP_SUMMARY)",
     )
+    ab = commands.add_parser(
+        "ab",
+        help="measure two commits on this machine, trials interleaved, and compare them (the regression gate)",
+        description="Checks out BASE_REF and NEW_REF in git worktrees of their own; for each trial, starts "
+        "that side's `python -m server` from its worktree, warms it up, measures the profile's sweep and "
+        "closed loops with this checkout's bench, and stops it; trials interleave base, new, base, new. "
+        "Then `bench compare`'s rule on the pair: exit 1 on a regression, 4 unreliable (rerun), 3 nothing "
+        "compared, 2 bad input or a server that did not start.",
+    )
+    ab.add_argument("base_ref")
+    ab.add_argument("new_ref")
+    ab.add_argument("--model", required=True, help="model folder (both sides serve it)")
+    ab.add_argument("--dtype", default="bfloat16", help="float32 for the engine on CPU")
+    ab.add_argument(
+        "--profile", choices=sorted(PROFILES), default="short", help="load per trial (default short)"
+    )
+    ab.add_argument("--trials", type=int, default=3, help="trials per side (default 3)")
+    ab.add_argument("--repo", default=".", help="the git repository holding both refs")
+    ab.add_argument("--work", default="perf-out/ab", help="worktrees, server logs and each side's summary")
+    ab.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each server's /health")
+    ab.add_argument("--max-drop", default=default_drop, help=f"as for compare (default {default_drop})")
+    ab.add_argument("--format", choices=["text", "markdown"], default="text")
+
     merge = commands.add_parser("merge", help="fold single-trial perf summaries of one target into one")
     merge.add_argument("summaries", nargs="+", help="summary JSON files, one trial each")
     merge.add_argument(
@@ -393,9 +419,43 @@ def command_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     return 0
 
 
+def command_ab(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        max_drop = parse_max_drop(args.max_drop)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if not Path(args.model).is_dir():
+        parser.error(f"--model {args.model}: not a folder")
+    if args.trials < 1:
+        parser.error("--trials must be at least 1")
+    config = AbConfig(
+        args.base_ref,
+        args.new_ref,
+        str(Path(args.model).resolve()),
+        PROFILES[args.profile],
+        trials=args.trials,
+        dtype=args.dtype,
+        repo=args.repo,
+        work_dir=args.work,
+        start_timeout_s=args.timeout,
+        max_drop=max_drop,
+    )
+    try:
+        result = run_ab(config)
+    except AbError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    comparison = result.comparison
+    print(comparison.markdown() if args.format == "markdown" else comparison.table())
+    print(f"summaries: {result.paths['base']} and {result.paths['new']}", file=sys.stderr)
+    return comparison.exit_status()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "ab":
+        return command_ab(args, parser)
     if args.command == "run":
         return command_run(args, parser)
     if args.command == "merge":

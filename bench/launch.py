@@ -43,6 +43,7 @@ class ServerSpec:
     port: int
     args: list[str] = field(default_factory=list)
     env_file: str | None = None  # sourced before a vLLM start
+    cwd: str | None = None  # where it runs: `bench ab` starts each side from its own git worktree
 
     @classmethod
     def for_target(
@@ -175,6 +176,7 @@ class ServerProcess:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=env,
+            cwd=self.spec.cwd,
             start_new_session=True,
         )
         log.close()

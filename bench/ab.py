@@ -1,0 +1,184 @@
+"""`bench ab BASE_REF NEW_REF`: two commits of the engine measured on one machine in one job, then
+the regression gate (bench.compare's rule) on that pair.
+
+Each ref is checked out in a git worktree of its own and its server (`python -m server`) is started
+from there, so each side runs its own engine and server; this checkout's bench measures both. Trials
+interleave A B A B...: each trial starts that side's server, warms it up (kept out of every figure),
+runs the profile's sweep and closed loops, and stops it, so only one server holds the GPU and slow
+drifts of the machine fall on both sides alike. Each side's trials fold into a summary (median, min,
+max; bench.trials) that `bench compare` reads, and `run_ab` returns their Comparison.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import subprocess
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.client import Endpoint
+from bench.compare import DEFAULT_MAX_DROP, Comparison, compare_results
+from bench.launch import ServerProcess, ServerSpec
+from bench.machine import describe_machine
+from bench.metrics import describe_failures
+from bench.probe import first_model
+from bench.profiles import Profile
+from bench.results import json_safe
+from bench.runner import run_closed_loop, run_sweep, sweep_failures
+from bench.trials import CLOSED_LOOP_KEYS, OPEN_LOOP_KEYS, summarize_trials
+from bench.workload import WorkloadSpec
+
+SEED_MIX = WorkloadSpec(kind="seed-mix", seed=0)
+SIDES = ("base", "new")
+
+
+class AbError(RuntimeError):
+    """A ref that does not resolve, a worktree that cannot be made, a server that does not start."""
+
+
+@dataclass
+class AbConfig:
+    base_ref: str
+    new_ref: str
+    model_dir: str
+    profile: Profile
+    trials: int = 3
+    dtype: str = "bfloat16"
+    repo: str = "."
+    work_dir: str = "perf-out/ab"  # worktrees, server logs, each side's summary
+    start_timeout_s: float = 300.0
+    workload: WorkloadSpec = SEED_MIX
+    max_drop: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_MAX_DROP))
+    log: Callable[[str], None] = print
+
+
+@dataclass
+class AbResult:
+    summaries: dict[str, dict[str, Any]]  # side -> summary JSON (as the perf tier writes them)
+    paths: dict[str, Path]
+    comparison: Comparison
+
+
+def _git(repo: str | Path, *args: str) -> str:
+    done = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise AbError(f"git {' '.join(args)}: {done.stderr.strip()}")
+    return done.stdout.strip()
+
+
+def resolve(repo: str | Path, ref: str) -> str:
+    """The commit a ref names, or AbError."""
+    return _git(repo, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}")
+
+
+def add_worktree(repo: str | Path, commit: str, folder: Path) -> Path:
+    """A detached worktree of `commit` at `folder` (replacing a stale one left by an earlier run)."""
+    if folder.exists():
+        remove_worktree(repo, folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    _git(repo, "worktree", "add", "--detach", "--force", str(folder), commit)
+    return folder
+
+
+def remove_worktree(repo: str | Path, folder: Path) -> None:
+    subprocess.run(
+        ["git", "-C", str(repo), "worktree", "remove", "--force", str(folder)], capture_output=True
+    )
+    subprocess.run(["git", "-C", str(repo), "worktree", "prune"], capture_output=True)
+
+
+def measure(endpoint: Endpoint, workload: WorkloadSpec, profile: Profile) -> dict[str, Any]:
+    """One trial against a warm server: the profile's sweep (if any) and its closed loops, in the
+    shapes bench.trials.summarize_trials folds, and the failed requests' descriptions."""
+    trial: dict[str, Any] = {"sweep": None, "closed": [], "failed": []}
+    if profile.sweep is not None:
+        result = run_sweep(endpoint, workload, profile.sweep_load, profile.sweep)
+        failures, _turned_away = sweep_failures(result)  # 429/503 past saturation is load shedding
+        trial["failed"] += failures
+        trial["sweep"] = {
+            "capacity_req_s": result.capacity_req_s,
+            "capacity_still_rising": result.capacity_still_rising,
+            "levels": [
+                {"rate": level.summary["rate"], **{k: level.summary[k] for k in OPEN_LOOP_KEYS}}
+                for level in result.levels
+            ],
+        }
+    for concurrency in profile.concurrencies:
+        level = run_closed_loop(endpoint, workload, concurrency, profile.closed_load)
+        trial["failed"] += [f"concurrency {concurrency}: {line}" for line in describe_failures(level.rows)]
+        trial["closed"].append(
+            {"concurrency": concurrency, **{k: level.summary[k] for k in CLOSED_LOOP_KEYS}}
+        )
+    return trial
+
+
+def run_trial(config: AbConfig, side: str, worktree: Path, number: int) -> dict[str, Any]:
+    """Start `side`'s server from its worktree, warm it up, measure one trial, always stop it."""
+    spec = ServerSpec.for_target("engine", config.model_dir, config.dtype)
+    spec.cwd = str(worktree)
+    log_path = Path(config.work_dir) / f"{side}-server-{number}.log"
+    with ServerProcess(spec, log_path) as process:
+        try:
+            process.start(timeout_s=config.start_timeout_s)
+        except (RuntimeError, TimeoutError) as exc:
+            raise AbError(f"{side} server ({worktree}) did not start: {exc}") from exc
+        endpoint = Endpoint(spec.base_url, model=first_model(spec.base_url), target=side)
+        warmup = WorkloadSpec(kind=config.workload.kind, seed=config.workload.seed + 1)
+        run_closed_loop(endpoint, warmup, config.profile.warmup_concurrency, config.profile.warmup)
+        trial = measure(endpoint, config.workload, config.profile)
+    trial["server_ready_s"] = process.ready_after_s
+    return trial
+
+
+def run_ab(config: AbConfig) -> AbResult:
+    """Both refs, `trials` each, interleaved base, new, base, new...; each side's summary written to
+    work_dir/<side>-seed-mix.json; the comparison of new against base."""
+    refs = {"base": config.base_ref, "new": config.new_ref}
+    commits = {side: resolve(config.repo, refs[side]) for side in SIDES}
+    work = Path(config.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    worktrees: dict[str, Path] = {}
+    trials: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
+    try:
+        for side in SIDES:
+            worktrees[side] = add_worktree(config.repo, commits[side], (work / f"worktree-{side}").resolve())
+        for number in range(1, config.trials + 1):
+            for side in SIDES:
+                config.log(f"bench ab: trial {number}/{config.trials} of {side} ({commits[side][:12]})")
+                trials[side].append(run_trial(config, side, worktrees[side], number))
+    finally:
+        for folder in worktrees.values():
+            remove_worktree(config.repo, folder)
+    machine = describe_machine()
+    summaries: dict[str, dict[str, Any]] = {}
+    paths: dict[str, Path] = {}
+    for side in SIDES:
+        ref = refs[side]
+        header = {
+            "target": f"{side} {ref} ({commits[side][:12]})",
+            "ref": ref,
+            "commit": commits[side],
+            "model": Path(config.model_dir).name,
+            "dtype": config.dtype,
+            "workload": config.workload.kind,
+            "profile": config.profile.name,
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "machine": machine,
+            "ab": {"order": "interleaved, base first", "trials": config.trials},
+            "failed_requests": [line for trial in trials[side] for line in trial["failed"]],
+        }
+        sweeps = [trial["sweep"] for trial in trials[side] if trial["sweep"] is not None]
+        summary = summarize_trials(
+            header=header,
+            sweep_trials=sweeps,
+            closed_trials=[trial["closed"] for trial in trials[side]],
+            trials=config.trials,
+        )
+        summaries[side] = summary
+        paths[side] = work / f"{side}-seed-mix.json"
+        paths[side].write_text(json.dumps(json_safe(summary), indent=2) + "\n")
+    comparison = compare_results(paths["base"], paths["new"], config.max_drop)
+    return AbResult(summaries, paths, comparison)
