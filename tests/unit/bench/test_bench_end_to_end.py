@@ -116,6 +116,11 @@ def test_failures_are_kept_and_counted():
     short = [row for row in result.rows if row.status == "short"]
     assert all(row.output_tokens == TOKENS // 2 and "10 of 20" in row.error for row in short)
     assert all("injected failure" in row.error for row in result.rows if row.status == "http_500")
+    # output_tok_s counts the tokens of requests that finished well only: the cut ones streamed
+    # TOKENS // 2 each, which a count over every row would add
+    s = result.summary
+    assert s["output_tok_s"] * s["duration_s"] == pytest.approx(12 * TOKENS)
+    assert sum(row.output_tokens for row in result.rows) == 12 * TOKENS + 3 * (TOKENS // 2)
 
 
 def test_unreachable_server_gives_failed_rows():

@@ -154,6 +154,21 @@ class TestKeepUpRate:
         assert math.isnan(keep_up_rate([make_row(0), make_row(1, scheduled=1.0)], math.nan))
 
 
+def test_output_tok_s_counts_only_requests_that_finished_well():
+    # two ok requests of 100 tokens; a truncated one ("short") that streamed 60 and one that failed
+    # mid-stream after 30 (both count as failures), all within the same 2 seconds
+    rows = [
+        make_row(0, done=2.0, tokens=100),
+        make_row(1, done=1.5, tokens=100),
+        make_row(2, done=1.8, tokens=60, status="short"),
+        make_row(3, done=1.0, tokens=30, status="stream_error"),
+    ]
+    summary = summarize(rows)
+    assert summary["duration_s"] == 2.0 and summary["failures"] == 2
+    assert summary["output_tok_s"] == pytest.approx(200 / 2.0)  # not (200 + 60 + 30) / 2
+    assert summary["served_req_s"] == pytest.approx(2 / 2.0)
+
+
 def test_failures_are_described_by_kind_with_the_first_error():
     rows = [make_row(i) for i in range(5)]
     rows[1].status, rows[1].error = "short", "got 3 of 10 tokens"
