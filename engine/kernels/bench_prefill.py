@@ -19,7 +19,6 @@ import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from engine.attention.metadata import context_slots
 from engine.kernels.prefill_attention import _paged_prefill_attention, paged_prefill_attention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 12, 2, 128, 16, torch.bfloat16
@@ -34,6 +33,12 @@ CASES: list[tuple[str, list[tuple[int, int]]]] = [
 # The torch backend's SDPA choice (flash where it applies; an explicit mask falls to memory-efficient).
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 SWEEP_TILES = [(m, n, w, s) for m in (64, 128) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
+
+
+def _slots(table: torch.Tensor, length: int) -> torch.Tensor:
+    """[length] cache slot of each position of one sequence, from its block table row [max_blocks]."""
+    positions = torch.arange(length, device=table.device)
+    return table[positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE
 
 
 def time_ms(call: Callable[[], object]) -> float:
@@ -77,7 +82,7 @@ class Step:
         # Store the step's K/V at its slots, as store_kv does before attention runs.
         flat = self.kv_cache.flatten(1, 2)  # [2, num_slots, num_kv_heads, head_dim]
         for i, (cached, q_len) in enumerate(chunks):
-            slots = context_slots(self.block_tables[i : i + 1], cached + q_len, BLOCK_SIZE)[0, cached:]
+            slots = _slots(self.block_tables[i], cached + q_len)[cached:]
             rows = slice(self.starts_cpu[i], self.starts_cpu[i + 1])
             flat[0][slots] = self.key[rows]
             flat[1][slots] = self.value[rows]
@@ -120,7 +125,7 @@ class Step:
                     )
                 else:
                     context = cached + q_len
-                    slots = context_slots(self.block_tables[i : i + 1], context, BLOCK_SIZE)[0]
+                    slots = _slots(self.block_tables[i], context)
                     k = flat[0][slots].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, context, dim]
                     v = flat[1][slots].transpose(0, 1).unsqueeze(0)
                     positions = torch.arange(q_len, device=q.device)[:, None] + cached
