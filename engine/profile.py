@@ -23,6 +23,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from engine import EngineArgs, LLMEngine, SamplingParams
+from engine.kernels.ceilings import copy_bandwidth_gbs
 
 DEFAULT_BATCHES = (1, 64, 256)
 # Host calls that launch work on the device: a kernel each, or a whole CUDA graph (one launch).
@@ -36,22 +37,6 @@ LAUNCH_CALLS = frozenset(
         "cudaGraphLaunch",
     }
 )
-
-
-def copy_bandwidth_gbs(device: torch.device, size_bytes: int = 2 << 30) -> float:
-    """The memory ceiling: a large device-to-device copy, bytes read plus bytes written, per second."""
-    src = torch.empty(size_bytes // 2, dtype=torch.bfloat16, device=device).normal_()
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    repeats = 20
-    for _ in range(repeats):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize(device)
-    return 2 * size_bytes * repeats / (start.elapsed_time(end) / 1e3) / 1e9
 
 
 def bytes_per_decode_step(engine: LLMEngine, batch: int, context: int) -> int:

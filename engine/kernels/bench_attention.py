@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import triton
 
+from engine.kernels.ceilings import copy_bandwidth_gbs
 from engine.kernels.decode_attention import _paged_decode_attention, choose_num_splits, paged_decode_attention
 from engine.kernels.kv_cache import store_kv
 
@@ -53,22 +54,6 @@ def time_per_call(calls: list[Callable[[], object]]) -> float:
         times.append(start.elapsed_time(end) / (REPLAYS * len(calls)))
     del graph
     return statistics.median(times)
-
-
-def copy_ceiling_gbps(device: torch.device) -> float:
-    """Device-to-device copy of 1 GiB: bytes read + written per second, the practical bandwidth ceiling."""
-    source = torch.empty(2**30, dtype=torch.uint8, device=device).fill_(1)
-    target = torch.empty_like(source)
-    times = []
-    for _ in range(ROUNDS + 2):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        target.copy_(source)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    milliseconds = statistics.median(times[2:])
-    return 2 * source.numel() / milliseconds / 1e6
 
 
 def decode_setup(
@@ -213,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = torch.device("cuda")
     properties = torch.cuda.get_device_properties(device)
-    ceiling = copy_ceiling_gbps(device)
+    ceiling = copy_bandwidth_gbs(device)
     print(
         f"{properties.name}, {properties.multi_processor_count} SMs; device-to-device copy: {ceiling:.0f} GB/s"
     )

@@ -18,6 +18,7 @@ import torch
 import triton
 
 from engine.kernels.activation import silu_and_mul
+from engine.kernels.ceilings import copy_bandwidth_gbs
 from engine.kernels.norm import fused_add_rms_norm, rms_norm
 from engine.kernels.reference import (
     fused_add_rms_norm_reference,
@@ -92,14 +93,6 @@ def time_eager(fn: Callable[[], object], iterations: int = 100, trials: int = 5)
         end.synchronize()
         timings.append(start.elapsed_time(end) * 1000 / iterations)
     return statistics.median(timings)
-
-
-def copy_ceiling_gbps() -> float:
-    """Device-to-device copy bandwidth of 1 GiB (read + write), the practical ceiling for these ops."""
-    source = torch.empty(1 << 29, dtype=torch.int16, device="cuda")
-    destination = torch.empty_like(source)
-    microseconds = time_in_graph(lambda: destination.copy_(source), calls_per_graph=5, replays=4)
-    return 2 * (1 << 30) / (microseconds * 1e-6) / 1e9
 
 
 def cases(num_tokens: int) -> list[tuple[str, int, Callable[[], object], Callable[[], object]]]:
@@ -209,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "graph: microseconds a call replayed from a CUDA graph; eager: launched from Python; GB/s from graph times"
     )
-    ceiling = copy_ceiling_gbps()
+    ceiling = copy_bandwidth_gbs(torch.device("cuda"))
     print(f"copy ceiling (1 GiB device-to-device, read + write): {ceiling:.0f} GB/s")
     print(
         f"{'op':<20}{'tokens':>7}{'graph us':>10}{'torch':>10}{'speedup':>9}"

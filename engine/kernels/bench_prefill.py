@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from engine.kernels.ceilings import matmul_tflops
 from engine.kernels.prefill_attention import _paged_prefill_attention, paged_prefill_attention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 12, 2, 128, 16, torch.bfloat16
@@ -44,13 +45,6 @@ def _slots(table: torch.Tensor, length: int) -> torch.Tensor:
 def time_ms(call: Callable[[], object]) -> float:
     """Median milliseconds a call (eager launches, L2 flushed between calls), after warm-up."""
     return float(triton.testing.do_bench(call, warmup=50, rep=300, return_mode="median"))
-
-
-def matmul_ceiling_tflops(device: torch.device) -> float:
-    """A dense bf16 8192^3 matmul: the practical tensor-core ceiling."""
-    a = torch.randn(8192, 8192, dtype=DTYPE, device=device)
-    b = torch.randn(8192, 8192, dtype=DTYPE, device=device)
-    return 2 * 8192**3 / time_ms(lambda: a @ b) / 1e9
 
 
 class Step:
@@ -198,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = torch.device("cuda")
     properties = torch.cuda.get_device_properties(device)
-    ceiling = matmul_ceiling_tflops(device)
+    ceiling = matmul_tflops(device)
     print(f"{properties.name}, {properties.multi_processor_count} SMs; bf16 matmul: {ceiling:.0f} TFLOP/s")
     print(
         f"\npaged_prefill_attention: {NUM_HEADS} heads, {NUM_KV_HEADS} KV heads, head_dim {HEAD_DIM}, "
