@@ -1,0 +1,88 @@
+"""The perf tier as a gate, against bench's fake server (`--server-url`): no reference is a skip, or a
+failure under PERF_REQUIRE_REFERENCE=1 (perf.yml sets it); a stored reference is drawn in the report
+beside the run; --save-baseline refuses a run whose budgets failed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.fake_server import FakeServerConfig, FakeServerProcess
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def perf_tier(
+    url: str, out: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """The smoke profile's closed loop at 1 in flight against the server at `url`."""
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-m",
+        "perf",
+        "tests/perf",
+        "-q",
+        "-rs",
+        "-p",
+        "no:cacheprovider",
+    ]
+    command += ["--server-url", url, "--profile", "smoke", "--trials", "1", "--perf-out", str(out)]
+    command += ["-k", "closed_loop and 1", *args]
+    return subprocess.run(
+        command, cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})}
+    )
+
+
+@pytest.fixture(scope="module")
+def fake_url():
+    with FakeServerProcess(FakeServerConfig(ttft_s=0.005, itl_s=0.0005)) as fake:
+        yield fake.base_url
+
+
+def test_no_reference_skips_or_fails_when_one_is_required(fake_url, tmp_path):
+    plain = perf_tier(fake_url, tmp_path / "a", "--model", "no-such-model")
+    assert plain.returncode == 0, plain.stdout[-2000:]
+    assert "1 skipped" in plain.stdout and "no baseline for cpu/no-such-model" in plain.stdout
+    required = perf_tier(
+        fake_url, tmp_path / "b", "--model", "no-such-model", env={"PERF_REQUIRE_REFERENCE": "1"}
+    )
+    assert required.returncode == 1, required.stdout[-2000:]
+    assert "1 failed" in required.stdout and "--target both" in required.stdout
+
+
+def test_the_report_draws_the_reference_and_a_failed_run_is_not_stored(fake_url, tmp_path):
+    # A stored engine reference 10x faster than the fake server: the [engine] budgets fail.
+    reference = {
+        "target": "engine",
+        "date": "2026-01-01",
+        "trials": 3,
+        "capacity_req_s": None,
+        "open_loop": [],
+        "closed_loop": [{"concurrency": 1.0, "trials": 3, "output_tok_s": 1e7, "ttft_p50_s": 0.001}],
+    }
+    path = tmp_path / "reference.json"
+    path.write_text(json.dumps(reference))
+    model = "gate-test-model"  # --save-baseline would store under baselines/cpu/<model>/
+    stored = REPO / "baselines" / "cpu" / model
+    assert not stored.exists()
+    try:
+        run = perf_tier(
+            fake_url, tmp_path / "out", "--baseline", str(path), "--model", model, "--save-baseline"
+        )
+        assert run.returncode == 1 and "budgets missed" in run.stdout, run.stdout[-2000:]
+        assert "not stored: 1 budget check(s) failed" in run.stdout
+        assert not stored.exists()
+        report = (tmp_path / "out" / "report.html").read_text()
+        assert "reference: engine (2026-01-01)" in report
+    finally:
+        if stored.exists():
+            for file in stored.iterdir():
+                file.unlink()
+            stored.rmdir()
