@@ -8,11 +8,11 @@ paged cache through the block table; nothing is gathered or upcast in memory. Th
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import triton
 import triton.language as tl
+
+from engine.kernels.checks import check_index, check_out, check_query_against_cache
 
 # choose_num_splits: a split shorter than this spends more on its merge than it saves, and no more than
 # MAX_SPLITS because stage 2 reads every split's partial output back.
@@ -21,10 +21,6 @@ MAX_SPLITS = 16
 # Aim for this many stage-1 programs per SM: a single 4-warp program cannot keep enough loads in flight
 # to saturate an SM's share of HBM bandwidth.
 PROGRAMS_PER_SM = 3
-
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_HEAD_DIMS = (16, 32, 64, 128, 256)
-_INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int = 132) -> int:
@@ -194,12 +190,6 @@ def _decode_merge_kernel(
     )
 
 
-def _check(condition: bool, message: str | Callable[[], str]) -> None:
-    """Raise ValueError(message) unless condition; a callable message is only formatted on failure."""
-    if not condition:
-        raise ValueError(message if isinstance(message, str) else message())
-
-
 def _check_inputs(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -209,96 +199,13 @@ def _check_inputs(
     num_splits: int,
     out: torch.Tensor | None,
 ) -> None:
-    _check(
-        query.dim() == 3,
-        lambda: f"query must be [num_seqs, num_heads, head_dim], got shape {tuple(query.shape)}",
-    )
-    _check(
-        key_cache.dim() == 4,
-        lambda: (
-            "key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
-            f"got shape {tuple(key_cache.shape)}"
-        ),
-    )
-    _check(
-        value_cache.shape == key_cache.shape,
-        lambda: (
-            f"value_cache shape {tuple(value_cache.shape)} differs from key_cache {tuple(key_cache.shape)}"
-        ),
-    )
-    num_seqs, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
-    _check(query.dtype in _DTYPES, lambda: f"query dtype must be one of {_DTYPES}, got {query.dtype}")
-    _check(
-        key_cache.dtype == query.dtype and value_cache.dtype == query.dtype,
-        lambda: (
-            f"key_cache/value_cache dtype ({key_cache.dtype}/{value_cache.dtype}) must equal query's {query.dtype}"
-        ),
-    )
-    _check(
-        cache_head_dim == head_dim,
-        lambda: f"cache head_dim {cache_head_dim} differs from query head_dim {head_dim}",
-    )
-    _check(head_dim in _HEAD_DIMS, lambda: f"head_dim must be one of {_HEAD_DIMS}, got {head_dim}")
-    _check(
-        block_size > 0 and block_size & (block_size - 1) == 0,
-        lambda: f"block_size must be a power of two, got {block_size}",
-    )
-    _check(
-        num_kv_heads > 0 and num_heads % num_kv_heads == 0,
-        lambda: f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}",
-    )
-    for name, tensor in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
-        _check(
-            tensor.stride(-1) == 1,
-            f"{name} must have a contiguous last dimension, strides {tensor.stride()}",
-        )
-        _check(
-            tensor.device == query.device,
-            f"{name} is on {tensor.device}, query on {query.device}",
-        )
-    _check(
-        block_tables.dim() == 2 and block_tables.shape[0] >= num_seqs,
-        lambda: (
-            f"block_tables must be [>= num_seqs ({num_seqs}), max_blocks_per_seq], got {tuple(block_tables.shape)}"
-        ),
-    )
-    _check(
-        block_tables.dtype in _INDEX_DTYPES,
-        lambda: f"block_tables dtype must be int32 or int64, got {block_tables.dtype}",
-    )
-    _check(
-        block_tables.stride(-1) == 1,
-        lambda: f"block_tables must have a contiguous last dimension, {block_tables.stride()}",
-    )
-    _check(
-        seq_lens.dim() == 1 and seq_lens.shape[0] >= num_seqs,
-        lambda: f"seq_lens must be [>= num_seqs ({num_seqs})], got {tuple(seq_lens.shape)}",
-    )
-    _check(
-        seq_lens.dtype in _INDEX_DTYPES,
-        lambda: f"seq_lens dtype must be int32 or int64, got {seq_lens.dtype}",
-    )
-    for name, tensor in (("block_tables", block_tables), ("seq_lens", seq_lens)):
-        _check(
-            tensor.device == query.device,
-            f"{name} is on {tensor.device}, query on {query.device}",
-        )
-    _check(
-        isinstance(num_splits, int) and num_splits >= 1,
-        lambda: f"num_splits must be an int >= 1, got {num_splits!r}",
-    )
-    if out is not None:
-        _check(
-            out.shape == query.shape and out.dtype == query.dtype and out.device == query.device,
-            lambda: (
-                f"out must match query ({tuple(query.shape)}, {query.dtype}, {query.device}), "
-                f"got ({tuple(out.shape)}, {out.dtype}, {out.device})"
-            ),
-        )
-        _check(
-            out.stride(-1) == 1, lambda: f"out must have a contiguous last dimension, strides {out.stride()}"
-        )
+    check_query_against_cache(query, key_cache, value_cache)
+    num_seqs = query.shape[0]
+    check_index("block_tables", block_tables, 2, num_seqs, query)
+    check_index("seq_lens", seq_lens, 1, num_seqs, query)
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
+    check_out(out, query)
 
 
 def _default_tile(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
@@ -377,10 +284,8 @@ def _paged_decode_attention(
     """paged_decode_attention with the tile configuration spelled out (tests and the benchmark sweep)."""
     if check:
         _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, num_splits, out)
-        _check(
-            block_n >= 16 and block_n & (block_n - 1) == 0,
-            lambda: f"block_n must be a power of two >= 16, got {block_n}",
-        )
+        if block_n < 16 or block_n & (block_n - 1):
+            raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group_size = num_heads // num_kv_heads

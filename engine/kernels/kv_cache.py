@@ -7,13 +7,11 @@ dummy tokens never touch the cache.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import triton
 import triton.language as tl
 
-_INDEX_DTYPES = (torch.int32, torch.int64)
+from engine.kernels.checks import check_device, check_index, check_last_dim_contiguous, check_paged_cache
 
 
 @triton.jit
@@ -64,12 +62,6 @@ def _store_kv_kernel(
     tl.store(value_dst + offs_h[:, None] * stride_vc_head + offs_d[None, :], value, mask=mask)
 
 
-def _check(condition: bool, message: str | Callable[[], str]) -> None:
-    """Raise ValueError(message) unless condition; a callable message is only formatted on failure."""
-    if not condition:
-        raise ValueError(message if isinstance(message, str) else message())
-
-
 def _check_inputs(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -77,68 +69,25 @@ def _check_inputs(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    _check(
-        key.dim() == 3,
-        lambda: f"key must be [num_tokens, num_kv_heads, head_dim], got shape {tuple(key.shape)}",
-    )
-    _check(
-        value.shape == key.shape,
-        lambda: f"value shape {tuple(value.shape)} differs from key {tuple(key.shape)}",
-    )
-    _check(
-        key_cache.dim() == 4,
-        lambda: (
-            "key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
-            f"got shape {tuple(key_cache.shape)}"
-        ),
-    )
-    _check(
-        value_cache.shape == key_cache.shape,
-        lambda: (
-            f"value_cache shape {tuple(value_cache.shape)} differs from key_cache {tuple(key_cache.shape)}"
-        ),
-    )
+    if key.dim() != 3:
+        raise ValueError(f"key must be [num_tokens, num_kv_heads, head_dim], got shape {tuple(key.shape)}")
+    if value.shape != key.shape:
+        raise ValueError(f"value shape {tuple(value.shape)} differs from key {tuple(key.shape)}")
+    if value.dtype != key.dtype:
+        raise ValueError(f"value dtype {value.dtype} differs from key's {key.dtype}")
+    for name, tensor in (("key", key), ("value", value)):
+        check_last_dim_contiguous(name, tensor)
+        check_device(name, tensor, key)
+    check_paged_cache(key_cache, value_cache, key)
     num_tokens, num_kv_heads, head_dim = key.shape
-    _check(
-        tuple(key_cache.shape[2:]) == (num_kv_heads, head_dim),
-        lambda: (
+    if tuple(key_cache.shape[2:]) != (num_kv_heads, head_dim):
+        raise ValueError(
             f"cache [num_kv_heads, head_dim] = {tuple(key_cache.shape[2:])} differs from key's "
             f"{(num_kv_heads, head_dim)}"
-        ),
-    )
-    block_size = key_cache.shape[1]
-    _check(block_size > 0, lambda: f"block_size must be positive, got {block_size}")
-    for name, tensor in (
-        ("key", key),
-        ("value", value),
-        ("key_cache", key_cache),
-        ("value_cache", value_cache),
-    ):
-        _check(
-            tensor.dtype == key.dtype,
-            f"{name} dtype {tensor.dtype} differs from key's {key.dtype}",
         )
-        _check(
-            tensor.stride(-1) == 1,
-            f"{name} must have a contiguous last dimension, strides {tensor.stride()}",
-        )
-        _check(
-            tensor.device == key.device,
-            f"{name} is on {tensor.device}, key on {key.device}",
-        )
-    _check(
-        slot_mapping.shape == (num_tokens,),
-        lambda: f"slot_mapping must be [num_tokens ({num_tokens})], got {tuple(slot_mapping.shape)}",
-    )
-    _check(
-        slot_mapping.dtype in _INDEX_DTYPES,
-        lambda: f"slot_mapping dtype must be int64 or int32, got {slot_mapping.dtype}",
-    )
-    _check(
-        slot_mapping.device == key.device,
-        lambda: f"slot_mapping is on {slot_mapping.device}, key on {key.device}",
-    )
-    _check(slot_mapping.is_contiguous(), lambda: "slot_mapping must be contiguous")
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping must be [num_tokens ({num_tokens})], got {tuple(slot_mapping.shape)}")
+    check_index("slot_mapping", slot_mapping, 1, num_tokens, key)
 
 
 def store_kv(

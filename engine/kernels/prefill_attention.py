@@ -12,9 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_HEAD_DIMS = (16, 32, 64, 128, 256)
-_INDEX_DTYPES = (torch.int32, torch.int64)
+from engine.kernels.checks import check_index, check_out, check_query_against_cache
 
 
 @triton.jit
@@ -184,74 +182,17 @@ def _check_inputs(
     max_query_len: int,
     out: torch.Tensor | None,
 ) -> None:
-    """Raise ValueError naming the first thing wrong. Messages are formatted only on failure: this runs in
-    every layer of every prefill step, where building two dozen f-strings would cost tens of microseconds."""
-    if query.dim() != 3:
-        raise ValueError(f"query must be [num_tokens, num_heads, head_dim], got shape {tuple(query.shape)}")
-    if key_cache.dim() != 4:
-        raise ValueError(
-            "key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
-            f"got shape {tuple(key_cache.shape)}"
-        )
-    if value_cache.shape != key_cache.shape:
-        raise ValueError(
-            f"value_cache shape {tuple(value_cache.shape)} differs from key_cache {tuple(key_cache.shape)}"
-        )
-    num_tokens, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
-    if query.dtype not in _DTYPES:
-        raise ValueError(f"query dtype must be one of {_DTYPES}, got {query.dtype}")
-    if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
-        raise ValueError(
-            f"key_cache/value_cache dtype ({key_cache.dtype}/{value_cache.dtype}) "
-            f"must equal query's {query.dtype}"
-        )
-    if cache_head_dim != head_dim:
-        raise ValueError(f"cache head_dim {cache_head_dim} differs from query head_dim {head_dim}")
-    if head_dim not in _HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {_HEAD_DIMS}, got {head_dim}")
-    if block_size <= 0 or block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two, got {block_size}")
-    if num_kv_heads <= 0 or num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
-    for name, tensor in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
-        if tensor.stride(-1) != 1:
-            raise ValueError(f"{name} must have a contiguous last dimension, strides {tensor.stride()}")
-        if tensor.device != query.device:
-            raise ValueError(f"{name} is on {tensor.device}, query on {query.device}")
-    if query_start_loc.dim() != 1 or query_start_loc.shape[0] < 1:
-        raise ValueError(f"query_start_loc must be [num_seqs + 1], got shape {tuple(query_start_loc.shape)}")
+    check_query_against_cache(query, key_cache, value_cache)
+    check_index("query_start_loc", query_start_loc, 1, 1, query)
     num_seqs = query_start_loc.shape[0] - 1
-    if block_tables.dim() != 2 or block_tables.shape[0] < num_seqs:
-        raise ValueError(
-            f"block_tables must be [>= num_seqs ({num_seqs}), max_blocks_per_seq], "
-            f"got {tuple(block_tables.shape)}"
-        )
-    if block_tables.stride(-1) != 1:
-        raise ValueError(f"block_tables must have a contiguous last dimension, {block_tables.stride()}")
-    if seq_lens.dim() != 1 or seq_lens.shape[0] < num_seqs:
-        raise ValueError(f"seq_lens must be [>= num_seqs ({num_seqs})], got {tuple(seq_lens.shape)}")
-    for name, tensor in (
-        ("block_tables", block_tables),
-        ("query_start_loc", query_start_loc),
-        ("seq_lens", seq_lens),
-    ):
-        if tensor.dtype not in _INDEX_DTYPES:
-            raise ValueError(f"{name} dtype must be int32 or int64, got {tensor.dtype}")
-        if tensor.device != query.device:
-            raise ValueError(f"{name} is on {tensor.device}, query on {query.device}")
+    check_index("block_tables", block_tables, 2, num_seqs, query)
+    check_index("seq_lens", seq_lens, 1, num_seqs, query)
+    num_tokens = query.shape[0]
     if not isinstance(max_query_len, int) or not 0 <= max_query_len <= num_tokens:
         raise ValueError(
             f"max_query_len must be an int in [0, num_tokens ({num_tokens})], got {max_query_len!r}"
         )
-    if out is not None:
-        if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
-            raise ValueError(
-                f"out must match query ({tuple(query.shape)}, {query.dtype}, {query.device}), "
-                f"got ({tuple(out.shape)}, {out.dtype}, {out.device})"
-            )
-        if out.stride(-1) != 1:
-            raise ValueError(f"out must have a contiguous last dimension, strides {out.stride()}")
+    check_out(out, query)
 
 
 def _default_tile(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
