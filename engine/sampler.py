@@ -43,8 +43,14 @@ def sample(
         index = torch.tensor(random_rows, device=logits.device)
         rows = logits[index]
         temperature = torch.tensor([params[i].temperature for i in random_rows], device=logits.device)
-        top_k = torch.tensor([params[i].top_k for i in random_rows], device=logits.device)
+        temperature = temperature.clamp(min=torch.finfo(temperature.dtype).tiny)  # 1e-300 is 0 in float32
+        vocab = logits.shape[-1]
+        # Past the vocabulary top-k keeps everything; clamped so that any integer fits an int64 tensor.
+        top_k = torch.tensor([min(params[i].top_k, vocab) for i in random_rows], device=logits.device)
         top_p = torch.tensor([params[i].top_p for i in random_rows], device=logits.device, dtype=rows.dtype)
+        # Shifted so each row's largest logit is 0 (softmax does not change): a tiny temperature then
+        # sends the others to -inf rather than overflowing to inf - inf = NaN.
+        rows = rows - rows.amax(dim=-1, keepdim=True)
         rows = apply_top_k_top_p(rows / temperature[:, None], top_k, top_p)
         probs = rows.softmax(dim=-1)
         for j, i in enumerate(random_rows):

@@ -6,9 +6,14 @@ reported to the caller before anything is scheduled; the sampler and the stop ch
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
+
+# What torch.Generator.manual_seed takes: a signed or unsigned 64-bit integer.
+SEED_MIN = -(2**63)
+SEED_MAX = 2**64 - 1
 
 
 @dataclass
@@ -46,13 +51,24 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens"
             )
-        if self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}", "temperature")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):  # NaN fails both
+            raise InvalidRequestError(
+                f"temperature must be a finite number >= 0, got {self.temperature}", "temperature"
+            )
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise InvalidRequestError(
                 f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k}", "top_k"
+            )
+        if self.seed is not None and (
+            not isinstance(self.seed, int)
+            or isinstance(self.seed, bool)
+            or not SEED_MIN <= self.seed <= SEED_MAX
+        ):
+            # Checked here: a seed torch cannot take would otherwise fail the whole engine step.
+            raise InvalidRequestError(
+                f"seed must be an integer in [-2^63, 2^64 - 1], got {self.seed!r}", "seed"
             )
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             raise InvalidRequestError(

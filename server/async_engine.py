@@ -207,7 +207,13 @@ class AsyncEngine:
         return stream
 
     def check_admission(self, count: int) -> None:
-        """Raise AdmissionError unless `count` more requests fit under max_pending right now."""
+        """Raise AdmissionError unless `count` more requests fit under max_pending right now, and
+        InvalidRequestError (a 400) for a batch that could never fit, even on an idle server."""
+        if count > self.max_pending:
+            raise InvalidRequestError(
+                f"a batch of {count} prompts is more than the server ever accepts at once ({self.max_pending}, --max-pending)",
+                "prompt",
+            )
         if not self.accepting:
             raise AdmissionError("the server is shutting down")
         if not self.is_alive:

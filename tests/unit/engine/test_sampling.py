@@ -94,3 +94,21 @@ def test_max_tokens_ends_with_length(llm):
     out = llm.generate([PROMPT], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))[0]
     assert len(out.token_ids) == 5
     assert out.finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 1e-300},  # logits / temperature would overflow to inf, then NaN probabilities
+        {"temperature": 1e300},
+        {"temperature": 1.0, "top_k": 2**70},  # past int64: clamped to the vocabulary
+        {"temperature": 1.0, "top_p": 1e-300},
+    ],
+)
+def test_extreme_but_valid_values_sample_without_failing_the_step(llm, params):
+    tokens = _tokens(llm, seed=5, **params)
+    assert len(tokens) == 24 and all(0 <= t < 32000 for t in tokens)
+
+
+def test_tiny_temperature_is_greedy(llm):
+    assert _tokens(llm, temperature=1e-300, seed=1) == _tokens(llm, temperature=0.0)

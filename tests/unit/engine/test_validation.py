@@ -27,6 +27,11 @@ def llm(tiny_model_dir):
         ([5, 6], SamplingParams(top_p=1.5), "top_p", "top_p"),
         ([5, 6], SamplingParams(top_k=-2), "top_k", "top_k"),
         ([5, "x"], SamplingParams(), "prompt", "token ids"),
+        ([5, 6], SamplingParams(temperature=float("nan")), "temperature", "temperature"),
+        ([5, 6], SamplingParams(temperature=float("inf")), "temperature", "temperature"),
+        ([5, 6], SamplingParams(seed=2**64), "seed", "seed"),  # torch.Generator cannot take it
+        ([5, 6], SamplingParams(seed=-(2**63) - 1), "seed", "seed"),
+        ([5, 6], SamplingParams(seed=2**64, temperature=0.0), "seed", "seed"),  # refused even when greedy
     ],
 )
 def test_bad_input_raises_before_scheduling(llm, prompt, params, param, message):
@@ -53,3 +58,9 @@ def test_engine_keeps_working_after_bad_input(llm):
         llm.generate([[5, 40000]])
     out = llm.generate([[1000, 1001]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert len(out[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("seed", [0, -(2**63), 2**63, 2**64 - 1])
+def test_every_seed_torch_takes_is_accepted(llm, seed):
+    params = SamplingParams(max_tokens=2, temperature=1.0, seed=seed, ignore_eos=True)
+    assert len(llm.generate([[1000, 1001]], params)[0].token_ids) == 2

@@ -40,6 +40,9 @@ BAD_REQUESTS: list[tuple[str, Any, str | None]] = [
     (COMPLETION, {"prompt": "hi", "top_p": 0}, "top_p"),
     (COMPLETION, {"prompt": "hi", "top_k": -2}, "top_k"),
     (COMPLETION, {"prompt": "hi", "stop": [""]}, "stop"),
+    (COMPLETION, {"prompt": "hi", "seed": 2**64}, "seed"),  # torch cannot take it: it would fail the step
+    (COMPLETION, {"prompt": "hi", "seed": -(2**63) - 1}, "seed"),
+    (COMPLETION, {"prompt": [[1]] * 65}, "prompt"),  # a batch larger than max_pending (64) never fits
     (CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
     (CHAT, {"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature"),
     (CHAT, {"messages": [{"role": "user", "content": "x " * 600}]}, "prompt"),
@@ -100,3 +103,11 @@ async def test_still_serving_after_bad_requests(api: httpx.AsyncClient) -> None:
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2
     metrics = (await api.get("/metrics")).text
     assert "engine_kv_blocks_used 0.0" in metrics and "server_requests_pending 0.0" in metrics
+
+
+@pytest.mark.parametrize("value", [b"NaN", b"Infinity", b"-Infinity"])
+async def test_non_finite_temperature_is_400(api: httpx.AsyncClient, value: bytes) -> None:
+    """Python's JSON parser takes these (not JSON, but sent by some clients); NaN would fail the step."""
+    content = b'{"prompt": "hi", "max_tokens": 2, "temperature": ' + value + b"}"
+    response = await api.post(COMPLETION, content=content, headers={"content-type": "application/json"})
+    assert_error(response, 400, "temperature")

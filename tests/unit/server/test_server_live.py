@@ -110,8 +110,12 @@ async def test_admission_at_the_limit(live_server: Callable[..., LiveServer]) ->
             assert await metric(client, "server_requests_rejected_total") == 2
             batch = await client.post("/v1/completions", json={"prompt": [[1], [2]], "max_tokens": 1})
             assert batch.status_code == 200
+            # A batch that could never fit, even on this idle server, is the client's error: 400, not 503.
             too_big = await client.post("/v1/completions", json={"prompt": [[1], [2], [3]], "max_tokens": 1})
-            assert too_big.status_code == 503
+            assert too_big.status_code == 400 and "retry-after" not in too_big.headers
+            error = too_big.json()["error"]
+            assert error["param"] == "prompt" and "--max-pending" in error["message"]
+            assert await metric(client, "server_requests_rejected_total") == 2
 
 
 @pytest.fixture
