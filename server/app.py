@@ -31,6 +31,7 @@ from server.errors import (
     install_error_handlers,
     overloaded,
 )
+from server.guards import DEFAULT_MAX_REQUEST_BYTES, APIKeyMiddleware, RequestSizeMiddleware
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -232,8 +233,13 @@ def create_app(
     served_model_name: str | None = None,
     max_pending: int = 512,
     shutdown_timeout: float = 30.0,
+    api_key: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> FastAPI:
-    """An app serving `engine`; its lifespan starts the engine thread and drains it on shutdown."""
+    """An app serving `engine`; its lifespan starts the engine thread and drains it on shutdown.
+
+    With `api_key`, every `/v1/` route needs `Authorization: Bearer <api_key>` (guards.py).
+    """
     metrics = ServerMetrics()
     async_engine = AsyncEngine(engine, max_pending=max_pending, observer=metrics)
     server = _Server(engine, served_model_name or engine.args.model, async_engine, metrics)
@@ -252,6 +258,9 @@ def create_app(
     app.state.metrics = metrics
     app.state.served_model_name = server.model_name
     install_error_handlers(app)
+    app.add_middleware(RequestSizeMiddleware, max_bytes=max_request_bytes)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)  # added last: runs first, so 401 before 413
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

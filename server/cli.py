@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import socket
 import sys
@@ -23,6 +24,7 @@ from engine import EngineArgs, LLMEngine
 from engine.attention import BACKEND_NAMES
 from server.app import create_app
 from server.async_engine import AsyncEngine
+from server.guards import DEFAULT_MAX_REQUEST_BYTES
 
 logger = logging.getLogger("server")
 
@@ -44,6 +46,7 @@ ENGINE_FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ("--device", "device", str, "auto, cpu or cuda[:N]"),
     ("--seed", "seed", int, "random seed"),
 )
+API_KEY_ENV = "PAGED_ENGINE_API_KEY"
 DRAIN_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 UVICORN_GRACE_SECONDS = 5  # after the drain, for connections that still do not close
 
@@ -65,6 +68,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=512,
         help="accepted, unfinished requests past which new ones get 503",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="larger request bodies get 413 (default: %(default)s, 16 MiB)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        help=f"require `Authorization: Bearer KEY` on /v1/ routes (default: ${API_KEY_ENV}, which keeps "
+        "the key out of process listings); /health, /metrics and /version stay open",
     )
     parser.add_argument(
         "--shutdown-timeout",
@@ -167,8 +182,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.error("cannot start the engine: %s", error)
         return 2
     app = create_app(
-        engine, args.served_model_name, max_pending=args.max_pending, shutdown_timeout=args.shutdown_timeout
+        engine,
+        args.served_model_name,
+        max_pending=args.max_pending,
+        shutdown_timeout=args.shutdown_timeout,
+        api_key=args.api_key,
+        max_request_bytes=args.max_request_bytes,
     )
+    if args.api_key:
+        logger.info("an API key is required on /v1/ routes")
     config = uvicorn.Config(
         app,
         host=args.host,

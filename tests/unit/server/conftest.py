@@ -2,7 +2,7 @@
 
 `api` drives the app in-process through httpx's ASGITransport (no incremental streaming);
 `live_server` runs a real uvicorn on 127.0.0.1 in a thread, for streaming, disconnect and admission
-tests. The model folder comes from the top-level `tiny_model_dir` fixture.
+tests; `start_server` runs `python -m server` as a subprocess, for the black-box tests. The model folder comes from the top-level `tiny_model_dir` fixture.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_testing import ENGINE_OPTIONS, MODEL_NAME, LiveServer
+from server_testing import ENGINE_OPTIONS, MODEL_NAME, LiveServer, ServerProcess
 
 from engine import EngineArgs, LLMEngine
 from server import create_app
@@ -37,3 +37,18 @@ async def api(engine: LLMEngine) -> AsyncIterator[httpx.AsyncClient]:
 def live_server(engine: LLMEngine) -> Iterator[Callable[..., LiveServer]]:
     """Factory: `with live_server(max_pending=2) as url:`."""
     yield lambda **options: LiveServer(engine, **options)
+
+
+@pytest.fixture
+def start_server(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
+    """Factory: `start_server("--max-pending", "4", env={...})`; every server is killed afterwards."""
+    started: list[ServerProcess] = []
+
+    def start(*flags: str, env: dict[str, str] | None = None) -> ServerProcess:
+        server = ServerProcess(tiny_model_dir, tmp_path / f"server-{len(started)}.log", *flags, env=env)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.close()

@@ -1,4 +1,5 @@
-"""Helpers of the server tests: a live uvicorn in a thread, SSE and Prometheus text parsing.
+"""Helpers of the server tests: a live uvicorn in a thread, `python -m server` as a subprocess (the
+black-box tests), SSE and Prometheus text parsing.
 
 Imported by conftest.py and the test modules (pytest puts this folder on sys.path).
 """
@@ -7,10 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -48,6 +54,68 @@ class LiveServer:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(15)
+
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+READY = re.compile(r"ready: serving .* at (http://127\.0\.0\.1:\d+)")
+# The defaults of a server process; flags given to ServerProcess come later, so they win (argparse).
+PROCESS_FLAGS = (
+    "--port",
+    "0",
+    "--max-model-len",
+    "512",
+    "--num-kv-blocks",
+    "64",
+    "--served-model-name",
+    "tiny",
+)
+
+
+class ServerProcess:
+    """`python -m server --model DIR ...` on 127.0.0.1:<free port>, its output in `log_path`."""
+
+    def __init__(
+        self, model_dir: Path, log_path: Path, *flags: str, env: dict[str, str] | None = None
+    ) -> None:
+        command = [sys.executable, "-m", "server", "--model", str(model_dir), *PROCESS_FLAGS, *flags]
+        self.log_path = log_path
+        self.log = log_path.open("w")
+        self.process = subprocess.Popen(
+            command,
+            cwd=REPO_ROOT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        )
+        self.url = self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 60) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            match = READY.search(self.log_path.read_text())
+            if match:
+                return match.group(1)
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.05)
+        self.close()
+        raise AssertionError(f"no ready line; log:\n{self.log_path.read_text()}")
+
+    def rss_bytes(self) -> int:
+        """Resident set size of the server process (Linux /proc)."""
+        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError("no VmRSS line")
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+        self.log.close()
 
 
 def parse_metrics(text: str) -> dict[str, float]:

@@ -6,81 +6,11 @@ or, past --shutdown-timeout, aborts what is left and still exits 0.
 from __future__ import annotations
 
 import json
-import os
-import re
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
-import pytest
-
-REPO_ROOT = Path(__file__).resolve().parents[3]
-READY = re.compile(r"ready: serving .* at (http://127\.0\.0\.1:\d+)")
-
-
-class ServerProcess:
-    def __init__(self, model_dir: Path, log_path: Path, *flags: str) -> None:
-        command = [
-            sys.executable,
-            "-m",
-            "server",
-            "--model",
-            str(model_dir),
-            "--port",
-            "0",
-            "--max-model-len",
-            "512",
-            "--num-kv-blocks",
-            "64",
-            "--served-model-name",
-            "tiny",
-            *flags,
-        ]
-        self.log_path = log_path
-        self.log = log_path.open("w")
-        self.process = subprocess.Popen(
-            command,
-            cwd=REPO_ROOT,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        self.url = self._wait_ready()
-
-    def _wait_ready(self, timeout: float = 60) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            match = READY.search(self.log_path.read_text())
-            if match:
-                return match.group(1)
-            if self.process.poll() is not None:
-                break
-            time.sleep(0.05)
-        raise AssertionError(f"no ready line; log:\n{self.log_path.read_text()}")
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(10)
-        self.log.close()
-
-
-@pytest.fixture
-def start_server(tiny_model_dir: Path, tmp_path: Path) -> Iterator:
-    started: list[ServerProcess] = []
-
-    def start(*flags: str) -> ServerProcess:
-        server = ServerProcess(tiny_model_dir, tmp_path / f"server-{len(started)}.log", *flags)
-        started.append(server)
-        return server
-
-    yield start
-    for server in started:
-        server.close()
 
 
 def stream_lines(client: httpx.Client, body: dict) -> tuple[httpx.Response, Iterator[str]]:
