@@ -28,6 +28,23 @@ VLLM_ENV_VARIABLE = "PERF_VLLM_ENV"
 MAX_MODEL_LEN = 4352
 
 
+SECRET_FLAGS = ("--api-key",)  # their values never reach a summary or a server description
+
+
+def redact_args(args: list[str]) -> list[str]:
+    """`args` with the value of each secret flag (`--api-key KEY` or `--api-key=KEY`) replaced by ***."""
+    redacted: list[str] = []
+    for arg in args:
+        flag, equals, _ = arg.partition("=")
+        if redacted and redacted[-1] in SECRET_FLAGS:
+            redacted.append("***")
+        elif equals and flag in SECRET_FLAGS:
+            redacted.append(f"{flag}=***")
+        else:
+            redacted.append(arg)
+    return redacted
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -219,7 +236,7 @@ class ServerProcess:
             "target": self.spec.target,
             "model_dir": self.spec.model_dir,
             "base_url": self.spec.base_url,
-            "args": self.spec.args,
+            "args": redact_args(self.spec.args),
             "pid": self.process.pid if self.process else None,
             "ready_after_s": self.ready_after_s,
             "log": str(self.log_path),

@@ -23,7 +23,13 @@ import pytest
 
 from bench.budgets import BudgetCheck, load_budgets, may_store_baseline
 from bench.client import Endpoint
-from bench.launch import ServerProcess, ServerSpec, load_server_info, vllm_unavailable_reason
+from bench.launch import (
+    ServerProcess,
+    ServerSpec,
+    load_server_info,
+    redact_args,
+    vllm_unavailable_reason,
+)
 from bench.machine import describe_machine, same_machine
 from bench.offline import describe_entry
 from bench.probe import first_model, probe
@@ -403,7 +409,10 @@ def server(target: str, perf: PerfSettings, recorder: Recorder):
             recorder.servers[target] = process
             process.start(timeout_s=300.0 if target == "vllm" else 180.0)
             base_url, ready_after_s = spec.base_url, process.ready_after_s
-        endpoint = Endpoint(base_url=base_url, model=first_model(base_url), target=target)
+        api_key = os.environ.get("OPENAI_API_KEY")  # as bench's --api-key default: a server with --api-key
+        endpoint = Endpoint(
+            base_url=base_url, model=first_model(base_url, api_key), target=target, api_key=api_key
+        )
         described = probe(endpoint)
         body = (described.get("server") or {}).get("body") or {}  # type: ignore[union-attr]
         record = recorder.record(target)
@@ -418,7 +427,7 @@ def server(target: str, perf: PerfSettings, recorder: Recorder):
                 "dtype": "bfloat16"
                 if perf.gpu
                 else (body.get("config", {}).get("dtype") if isinstance(body, dict) else None),
-                "server_args": server_args,
+                "server_args": redact_args(server_args),
                 "server": described.get("server"),
                 "server_ready_s": ready_after_s,
             }
