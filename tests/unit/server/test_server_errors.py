@@ -111,3 +111,38 @@ async def test_non_finite_temperature_is_400(api: httpx.AsyncClient, value: byte
     content = b'{"prompt": "hi", "max_tokens": 2, "temperature": ' + value + b"}"
     response = await api.post(COMPLETION, content=content, headers={"content-type": "application/json"})
     assert_error(response, 400, "temperature")
+
+
+CHAT_BODY = {"messages": [{"role": "user", "content": "hi"}]}
+# (path, field, value, words of the message): what the engine cannot honour is refused, never ignored.
+# Presence and frequency penalties would need each sequence's generated tokens in the sampler, whose
+# last token is still on the device under async scheduling (engine/runner.py): not cheap, so refused.
+REFUSED: list[tuple[str, str, Any, str]] = [
+    (COMPLETION, "presence_penalty", 0.5, "presence_penalty is not supported"),
+    (COMPLETION, "frequency_penalty", -0.5, "frequency_penalty is not supported"),
+    (COMPLETION, "suffix", "tail", "suffix is not supported"),
+    (COMPLETION, "n", 2, "only n=1 is supported"),
+    (COMPLETION, "logprobs", 0, "logprobs are not supported"),
+    (COMPLETION, "echo", True, "echo is not supported"),
+    (COMPLETION, "best_of", 3, "only best_of=1 is supported"),
+    (CHAT, "presence_penalty", 1.0, "presence_penalty is not supported"),
+    (CHAT, "frequency_penalty", 2.0, "frequency_penalty is not supported"),
+    (CHAT, "top_logprobs", 2, "top_logprobs are not supported"),
+    (CHAT, "n", 4, "only n=1 is supported"),
+    (CHAT, "logprobs", True, "logprobs are not supported"),
+]
+
+
+@pytest.mark.parametrize(("path", "field", "value", "message"), REFUSED)
+async def test_refused_parameters_are_400_with_their_message(
+    api: httpx.AsyncClient, path: str, field: str, value: Any, message: str
+) -> None:
+    body = {"prompt": "hi", "max_tokens": 1} if path == COMPLETION else {**CHAT_BODY, "max_tokens": 1}
+    response = await api.post(path, json={**body, field: value})
+    assert_error(response, 400, field)
+    assert response.json()["error"]["message"] == message
+    # Their neutral values (what clients send by default) are accepted.
+    neutral = {"presence_penalty": 0, "frequency_penalty": 0, "n": 1, "best_of": 1, "echo": False}
+    if field in neutral:
+        accepted = await api.post(path, json={**body, field: neutral[field]})
+        assert accepted.status_code == 200, accepted.text
