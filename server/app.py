@@ -73,6 +73,16 @@ def render_chat(tokenizer: Any, messages: list[ChatMessage], add_generation_prom
     return text + "assistant:" if add_generation_prompt else text
 
 
+def _check_unicode(text: str, param: str) -> None:
+    """JSON may carry lone surrogates ("\\ud800"), which the tokenizer cannot take: a 400, not a 500."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise bad_request(
+            f"{param} is not valid Unicode: lone surrogate at position {error.start}", param
+        ) from error
+
+
 class EngineStreamingResponse(StreamingResponse):
     """An SSE response that aborts its engine requests however it ends (done, disconnect, error)."""
 
@@ -130,12 +140,17 @@ class _Server:
         self.metrics.requests_rejected.inc()
         return overloaded(str(error))
 
-    async def tokenize(self, prompts: list[str | list[int]], params: SamplingParams) -> list[list[int]]:
+    async def tokenize(
+        self, prompts: list[str | list[int]], params: SamplingParams, param: str = "prompt"
+    ) -> list[list[int]]:
         """engine.validate each prompt (raises InvalidRequestError naming the field).
 
         Token-id prompts are only checked (cheap) on the event loop; text goes to a worker thread so
         that tokenizing a long prompt does not hold up other clients' SSE writes.
         """
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                _check_unicode(prompt, param)
         if all(isinstance(p, list) for p in prompts):
             return [self.engine.validate(p, params) for p in prompts]
         return await asyncio.to_thread(lambda: [self.engine.validate(p, params) for p in prompts])
@@ -290,7 +305,7 @@ def create_app(
         prompt = render_chat(engine.tokenizer, body.messages, body.add_generation_prompt)
         max_tokens = body.requested_max_tokens
         params = body.sampling_params(1 if max_tokens is None else max_tokens)
-        [token_ids] = await server.tokenize([prompt], params)
+        [token_ids] = await server.tokenize([prompt], params, "messages")
         if max_tokens is None:  # as in vLLM: whatever the context leaves
             params.max_tokens = engine.max_model_len - len(token_ids)
         return await server.run(

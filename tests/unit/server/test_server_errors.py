@@ -4,6 +4,7 @@ naming the field, never a 422 or a 500, and the server keeps serving afterwards.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -47,6 +48,9 @@ BAD_REQUESTS: list[tuple[str, Any, str | None]] = [
     (CHAT, {"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature"),
     (CHAT, {"messages": [{"role": "user", "content": "x " * 600}]}, "prompt"),
     (CHAT, {"messages": []}, "messages"),
+    (COMPLETION, {"prompt": "a\ud800b"}, "prompt"),  # a lone surrogate: the tokenizer raised TypeError
+    (COMPLETION, {"prompt": ["ok", "\udfff"]}, "prompt"),
+    (CHAT, {"messages": [{"role": "user", "content": "\ud83d"}]}, "messages"),
     # features refused clearly rather than ignored
     (COMPLETION, {"prompt": "hi", "n": 2}, "n"),
     (COMPLETION, {"prompt": "hi", "logprobs": 1}, "logprobs"),
@@ -55,6 +59,13 @@ BAD_REQUESTS: list[tuple[str, Any, str | None]] = [
     (CHAT, {"messages": [{"role": "user", "content": "hi"}], "n": 3}, "n"),
     (CHAT, {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
 ]
+
+
+async def post_json(api: httpx.AsyncClient, path: str, body: Any) -> httpx.Response:
+    """JSON as json.dumps writes it: ASCII, so lone surrogates travel as \\u escapes (httpx's json=
+    writes UTF-8, which cannot hold them)."""
+    content = json.dumps(body).encode()
+    return await api.post(path, content=content, headers={"content-type": "application/json"})
 
 
 def assert_error(response: httpx.Response, status: int, param: str | None) -> None:
@@ -71,7 +82,7 @@ async def test_bad_request_is_400_naming_the_field(
 ) -> None:
     if stream and "stream" not in body:
         body = {**body, "stream": True}
-    response = await api.post(path, json=body)
+    response = await post_json(api, path, body)
     assert_error(response, 400, param)
     assert response.json()["error"]["type"] == "BadRequestError"
 
@@ -98,7 +109,7 @@ async def test_unknown_route_and_method(api: httpx.AsyncClient) -> None:
 
 async def test_still_serving_after_bad_requests(api: httpx.AsyncClient) -> None:
     for path, body, _ in BAD_REQUESTS:
-        await api.post(path, json=body)
+        await post_json(api, path, body)
     response = await api.post(COMPLETION, json={"prompt": [1, 2], "max_tokens": 2, "ignore_eos": True})
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2
     metrics = (await api.get("/metrics")).text
