@@ -169,7 +169,7 @@ def test_a_level_without_reference_or_budget_is_a_named_skip():
     budgets = _budgets(output_tok_s={"1": 0.5, "32": 0.5}, ttft_p50_s={"2": 2.0})
     (missing,) = check_closed(32, {"output_tok_s": 1.0}, REFERENCE, budgets)
     assert missing.skipped and not missing.passed and not missing.failed
-    assert "concurrency 32 output_tok_s: skipped, the reference has no concurrency 32" == missing.describe()
+    assert missing.describe() == "concurrency 32 output_tok_s: skipped, the reference has no concurrency 32"
     (unbudgeted,) = check_closed(8, {"output_tok_s": 1.0}, REFERENCE, budgets)
     assert "no budget for concurrency 8" in unbudgeted.describe()
     checks = check_sweep(10.0, [{"rate": 1.0, "ttft_p50_s": 1.0}], REFERENCE, budgets)

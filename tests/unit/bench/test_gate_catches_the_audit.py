@@ -1,0 +1,101 @@
+"""The audit's regressions, injected into the stored H200 engine baseline, against the reviewed budget
+file (the vLLM ratio budgets) and bench compare's default limits (the engine against itself). Each of
+these passed the gate before issue 14; each must fail it now. perf.yml is checked for the steps that
+keep the job from going green having checked nothing."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bench.budgets import check_closed, check_sweep, load_budgets
+from bench.compare import compare_results
+from bench.results import load_result
+
+REPO = Path(__file__).resolve().parents[3]
+STORED = REPO / "baselines" / "nvidia-h200" / "qwen2.5-1.5b"
+BUDGETS = load_budgets(REPO / "tests" / "perf" / "budgets.toml")["vllm"]
+
+
+def stored(target: str) -> dict:
+    return json.loads((STORED / f"{target}-seed-mix.json").read_text())
+
+
+def scaled(summary: dict, section: str, key: str, value: float, metric: str, factor: float) -> dict:
+    """A copy with one level's figure (and its min/max) multiplied by `factor`."""
+    out = copy.deepcopy(summary)
+    for level in out[section]:
+        if level[key] == value:
+            for name in (metric, f"{metric}_min", f"{metric}_max"):
+                level[name] *= factor
+    return out
+
+
+@pytest.mark.parametrize(("concurrency", "factor"), [(128, 0.30), (256, 0.25)])
+def test_vllm_budgets_catch_a_70_percent_loss_at_high_concurrency(concurrency, factor):
+    engine = scaled(stored("engine"), "closed_loop", "concurrency", concurrency, "output_tok_s", factor)
+    (level,) = [lv for lv in engine["closed_loop"] if lv["concurrency"] == concurrency]
+    checks = check_closed(concurrency, level, stored("vllm"), BUDGETS)
+    assert [check.failed for check in checks] == [True]
+    (measured,) = [lv for lv in stored("engine")["closed_loop"] if lv["concurrency"] == concurrency]
+    assert [check.failed for check in check_closed(concurrency, measured, stored("vllm"), BUDGETS)] == [False]
+
+
+def test_vllm_budgets_catch_capacity_and_low_rate_latency():
+    engine = stored("engine")
+    assert not any(
+        c.failed for c in check_sweep(engine["capacity_req_s"], engine["open_loop"], stored("vllm"), BUDGETS)
+    )
+    # capacity -31 %
+    capacity = check_sweep(engine["capacity_req_s"] * 0.69, [], stored("vllm"), BUDGETS)
+    assert [c.failed for c in capacity] == [True]
+    # TTFT p50 +56 % and TPOT p50 +37 % at 1, 2 and 4 req/s
+    slower = copy.deepcopy(engine["open_loop"])
+    for level in slower:
+        level["ttft_p50_s"] *= 1.56
+        level["tpot_p50_s"] *= 1.37
+    failed = {
+        (c.level, c.metric)
+        for c in check_sweep(engine["capacity_req_s"], slower, stored("vllm"), BUDGETS)
+        if c.failed
+    }
+    assert {(f"rate {r}/s", "tpot_p50_s") for r in (1, 2, 4)} <= failed
+    assert ("rate 1/s", "ttft_p50_s") in failed
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value", "metric", "factor"),
+    [
+        ("closed_loop", "concurrency", 8, "output_tok_s", 0.85),  # inside the base's own 17 % spread before
+        ("closed_loop", "concurrency", 32, "output_tok_s", 0.94),
+        ("closed_loop", "concurrency", 128, "tpot_p50_s", 1.15),
+        ("open_loop", "rate", 4.0, "ttft_p50_s", 1.15),  # rates under 0.8 x capacity (6.84)
+        ("open_loop", "rate", 2.0, "tpot_p50_s", 1.15),
+        ("open_loop", "rate", 4.0, "itl_p50_s", 1.15),
+    ],
+)
+def test_compare_against_the_stored_engine_catches(tmp_path, section, key, value, metric, factor):
+    base = stored("engine")
+    new = scaled(base, section, key, value, metric, factor)
+    (tmp_path / "base.json").write_text(json.dumps(base))
+    (tmp_path / "new.json").write_text(json.dumps(new))
+    comparison = compare_results(load_result(tmp_path / "base.json"), load_result(tmp_path / "new.json"))
+    assert [row.metric for row in comparison.regressions] == [metric]
+    assert comparison.exit_status() == 1
+    same = compare_results(load_result(tmp_path / "base.json"), load_result(tmp_path / "base.json"))
+    assert same.exit_status() == 0
+
+
+def test_perf_workflow_cannot_go_green_having_checked_nothing():
+    workflow = yaml.safe_load((REPO / ".github" / "workflows" / "perf.yml").read_text())
+    assert workflow["env"]["PERF_REQUIRE_REFERENCE"] == "1"
+    steps = workflow["jobs"]["perf"]["steps"]
+    runs = {step.get("name"): step.get("run", "") for step in steps}
+    assert any("pytest -m gpu" in run for run in runs.values())
+    (gate,) = [step for step in steps if "bench ab" in step.get("run", "")]
+    assert "if" not in gate and 'exit "$status"' in gate["run"]
+    assert "origin/${BASE_REF}" in gate["run"] and "HEAD" in gate["run"]
