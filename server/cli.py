@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import sys
+import tracemalloc
 from collections.abc import Sequence
 from types import FrameType
 
@@ -47,6 +48,7 @@ ENGINE_FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ("--seed", "seed", int, "random seed"),
 )
 API_KEY_ENV = "PAGED_ENGINE_API_KEY"
+TRACEMALLOC_ENV = "PAGED_ENGINE_TRACEMALLOC"  # set (to anything): trace the Python heap for /metrics
 DRAIN_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 UVICORN_GRACE_SECONDS = 5  # after the drain, for connections that still do not close
 
@@ -200,6 +202,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         timeout_graceful_shutdown=UVICORN_GRACE_SECONDS,
         lifespan="on",
     )
+    if os.environ.get(TRACEMALLOC_ENV):
+        # Started once the engine is built: tracing torch's imports from the start (PYTHONTRACEMALLOC)
+        # takes minutes. /metrics then shows the heap (server_python_heap_traced_bytes).
+        tracemalloc.start()
     server = DrainingServer(
         config, app.state.async_engine, args.shutdown_timeout, app.state.served_model_name
     )

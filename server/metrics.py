@@ -1,10 +1,14 @@
 """Prometheus metrics of one app, in a registry of its own (never the process-global one).
 
 The engine loop thread feeds `ServerMetrics` through the LoopObserver methods (prometheus_client's
-metrics are thread-safe); `GET /metrics` renders the registry with `render`.
+metrics are thread-safe); `GET /metrics` renders the registry with `render`. The process's own
+figures (process_resident_memory_bytes, ...) come along; while tracemalloc traces (cli.py starts it
+under PAGED_ENGINE_TRACEMALLOC=1), so does the Python heap as it counts it (the soak test reads both).
 """
 
 from __future__ import annotations
+
+import tracemalloc
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -12,6 +16,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
     generate_latest,
 )
 
@@ -66,6 +71,12 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         registry = self.registry
+        ProcessCollector(registry=registry)  # process_resident_memory_bytes, cpu seconds, open fds
+        self.python_heap = Gauge(
+            "server_python_heap_traced_bytes",
+            "Python heap in use as tracemalloc counts it (only while tracing: PAGED_ENGINE_TRACEMALLOC=1).",
+            registry=registry,
+        )
         self.requests_running = Gauge(
             "engine_requests_running", "Requests the scheduler is running.", registry=registry
         )
@@ -143,4 +154,6 @@ class ServerMetrics:
     # -- rendering (event loop) ------------------------------------------------------------------
     def render(self, num_pending: int) -> bytes:
         self.requests_pending.set(num_pending)
+        if tracemalloc.is_tracing():
+            self.python_heap.set(tracemalloc.get_traced_memory()[0])
         return generate_latest(self.registry)

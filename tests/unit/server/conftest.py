@@ -52,3 +52,17 @@ def start_server(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Callable[...,
     yield start
     for server in started:
         server.close()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "soak: long soak test of the server, run on demand with -m soak")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`soak` tests run only when selected (`-m soak`), never in the default run."""
+    if "soak" in (config.option.markexpr or ""):
+        return
+    skip = pytest.mark.skip(reason="on demand: pytest -m soak")
+    for item in items:
+        if "soak" in item.keywords:
+            item.add_marker(skip)
