@@ -203,6 +203,12 @@ def write_tokenizer(out: Path, config: dict[str, Any]) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
 
 
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
 # -- weights ---------------------------------------------------------------------------------------
 def weight_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     hidden, inter = config["hidden_size"], config["intermediate_size"]
@@ -280,7 +286,11 @@ def write_checkpoint(
         total = sum(t.numel() * t.element_size() for s in shards for t in s.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    # As save_pretrained writes it. Without it, transformers 4.57.3-4.57.6 take any local checkpoint for
+    # a Mistral one and warn that the tokenizer has "an incorrect regex pattern" (it has not: ours is
+    # plain byte-level BPE); 5.x checks the model type, and takes the field as proof either way.
+    written = {**config, "transformers_version": transformers_version()}
+    (out / "config.json").write_text(json.dumps(written, indent=2) + "\n")
     generation = {
         "bos_token_id": config["bos_token_id"],
         "eos_token_id": config["eos_token_id"],

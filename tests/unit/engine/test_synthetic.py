@@ -78,3 +78,27 @@ def test_bf16_activations_stay_finite_in_every_layer(fixture, request):
         assert torch.isfinite(hidden).all()
         assert hidden.float().abs().max() < 1e3
     assert torch.isfinite(out.logits).all()
+
+
+@pytest.mark.parametrize("fixture", ["tiny_model_dir", "tiny_llama_model_dir"])
+def test_tokenizer_loads_without_the_mistral_regex_warning(fixture, request):
+    """transformers 4.57.3+ warns of "an incorrect regex pattern" for a local checkpoint whose config
+    names no transformers_version; the synthetic config names the one that wrote it."""
+    import logging
+
+    import transformers
+
+    folder = request.getfixturevalue(fixture)
+    assert (
+        json.loads((folder / "config.json").read_text())["transformers_version"] == transformers.__version__
+    )
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        AutoTokenizer.from_pretrained(folder)
+    finally:
+        logger.removeHandler(handler)
+    assert not [r for r in records if "incorrect regex" in r.getMessage()]
