@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from bench import offline_worker
-from bench.budgets import OFFLINE_BUDGETS, Budget, check_offline, load_budgets
+from bench.budgets import ANY_LEVEL, OFFLINE_BUDGETS, Budget, check_offline, load_budgets
 from bench.compare import compare_results
 from bench.launch import VLLM_ENV_VARIABLE
 from bench.metrics import metric_direction, probe_figures
@@ -220,7 +220,7 @@ def test_merge_folds_single_trial_offline_sections():
 
 def test_offline_budgets_hold_each_figure_by_its_direction():
     budgets = {
-        name: Budget(name, value)
+        name: {ANY_LEVEL: Budget(name, value)}
         for name, value in [("offline_output_tok_s", 0.5), ("offline_single_tpot_s", 2.0)]
     }
     ours = {
@@ -230,18 +230,27 @@ def test_offline_budgets_hold_each_figure_by_its_direction():
     }
     reference = {"offline": {"all": entry(100.0, 5.0, 1.0), "probes": {"single_tpot_s": 0.01}}}
     checks = {(c.level, c.metric): c for c in check_offline(ours, reference, budgets)}
-    assert set(checks) == {("offline all", "output_tok_s"), ("offline probes", "single_tpot_s")}
+    made = {key for key, check in checks.items() if not check.skipped}
+    assert made == {("offline all", "output_tok_s"), ("offline probes", "single_tpot_s")}
     assert not checks[("offline all", "output_tok_s")].passed  # 40 < 0.5 x 100
     assert not checks[("offline probes", "single_tpot_s")].passed  # 0.03 > 2 x 0.01
-    assert check_offline(ours, {"closed_loop": []}, budgets) == []
+    # the reference has no closed-8 entry: a skipped check, by name, not a silent pass
+    assert (
+        "the reference has no offline closed-8 output_tok_s"
+        in checks[("offline closed-8", "output_tok_s")].describe()
+    )
+    assert all(check.skipped for check in check_offline(ours, {"closed_loop": []}, budgets))
 
 
 def test_the_budget_file_has_every_offline_budget_for_both_references():
     budgets = load_budgets(BUDGETS_FILE)
     for reference in ("vllm", "engine"):
         assert set(OFFLINE_BUDGETS) <= set(budgets[reference]), reference
-    assert budgets["vllm"]["offline_single_tpot_s"].lenient  # latency over 2x carries a reason
-    assert budgets["vllm"]["offline_single_tpot_s"].reason
+    # against vLLM, from the same-lease H200 figures (1.36x, 0.96x, 1.76x) with a 15 % margin
+    vllm = budgets["vllm"]
+    assert vllm["offline_output_tok_s"]["all"].value == pytest.approx(1.36 / 1.15, abs=0.01)
+    assert vllm["offline_single_tpot_s"][ANY_LEVEL].value == pytest.approx(0.962 * 1.15, abs=0.01)
+    assert vllm["offline_prefill_tok_s"][ANY_LEVEL].value == pytest.approx(1.76 / 1.15, abs=0.01)
 
 
 def run_json(path: Path, section: dict, target: str) -> Path:
