@@ -246,11 +246,11 @@ def test_the_budget_file_has_every_offline_budget_for_both_references():
     budgets = load_budgets(BUDGETS_FILE)
     for reference in ("vllm", "engine"):
         assert set(OFFLINE_BUDGETS) <= set(budgets[reference]), reference
-    # against vLLM, from the same-lease H200 figures (1.36x, 0.96x, 1.76x) with a 15 % margin
+    # against vLLM, from the less favourable of two same-lease H200 runs (1.36x, 0.96x, 1.47x), 15 % margin
     vllm = budgets["vllm"]
     assert vllm["offline_output_tok_s"]["all"].value == pytest.approx(1.36 / 1.15, abs=0.01)
     assert vllm["offline_single_tpot_s"][ANY_LEVEL].value == pytest.approx(0.962 * 1.15, abs=0.01)
-    assert vllm["offline_prefill_tok_s"][ANY_LEVEL].value == pytest.approx(1.76 / 1.15, abs=0.01)
+    assert vllm["offline_prefill_tok_s"][ANY_LEVEL].value == pytest.approx(1.47 / 1.15, abs=0.01)
 
 
 def run_json(path: Path, section: dict, target: str) -> Path:
