@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bench.budgets import check_closed, check_sweep, load_budgets
+from bench.budgets import check_closed, check_offline, check_sweep, load_budgets
 from bench.compare import compare_results
 from bench.results import load_result
 
@@ -99,3 +99,21 @@ def test_perf_workflow_cannot_go_green_having_checked_nothing():
     (gate,) = [step for step in steps if "bench ab" in step.get("run", "")]
     assert "if" not in gate and 'exit "$status"' in gate["run"]
     assert "origin/${BASE_REF}" in gate["run"] and "HEAD" in gate["run"]
+
+
+@pytest.mark.parametrize("lease", ["offline-2026-11-30", "offline-2026-11-30-final"])
+def test_the_offline_vllm_budgets_pass_both_leases_and_catch_a_slide_back(lease):
+    engine, vllm = (load_result(STORED / lease / f"{target}-run.json") for target in ("engine", "vllm"))
+    checks = check_offline(engine.offline, {"offline": vllm.offline}, BUDGETS)
+    assert {(c.level, c.metric) for c in checks if not c.skipped} == {
+        ("offline all", "output_tok_s"),
+        ("offline probes", "single_tpot_s"),
+        ("offline probes", "prefill_tok_s"),
+    }
+    assert not any(c.failed for c in checks)
+    # the engine sliding back 30 % on each figure fails each budget (prefill: vLLM moved 21 % between leases)
+    slid = {key: dict(entry) for key, entry in engine.offline.items()}
+    slid["all"]["output_tok_s"] *= 0.7
+    slid["probes"]["single_tpot_s"] /= 0.7
+    slid["probes"]["prefill_tok_s"] *= 0.7
+    assert all(c.failed for c in check_offline(slid, {"offline": vllm.offline}, BUDGETS) if not c.skipped)
