@@ -8,6 +8,7 @@ under PAGED_ENGINE_TRACEMALLOC=1), so does the Python heap as it counts it (the 
 
 from __future__ import annotations
 
+import gc
 import tracemalloc
 
 from prometheus_client import (
@@ -155,5 +156,8 @@ class ServerMetrics:
     def render(self, num_pending: int) -> bytes:
         self.requests_pending.set(num_pending)
         if tracemalloc.is_tracing():
+            # A diagnostic mode: collect first, so the figure is the live heap, not cyclic garbage
+            # waiting for the collector (which would make it rise and fall with the collector's timing).
+            gc.collect()
             self.python_heap.set(tracemalloc.get_traced_memory()[0])
         return generate_latest(self.registry)
