@@ -2,9 +2,10 @@
 
 It loads the model, sizes and owns the paged KV cache, turns a SchedulerOutput into the step's input
 tensors plus AttentionMetadata (`prepare`: numpy into one pinned buffer, one host-to-device copy), and
-runs the forward pass and the sampler (`execute`). Within a batch, single-token queries (decodes) go
-first so the attention backend can batch them. A decode-only batch on CUDA replays a captured graph
-(engine.cuda_graphs) when the backend allows it; other steps run eagerly.
+queues the forward pass and the sampler (`launch`, whose tokens arrive through PendingTokens). Within a
+batch, single-token queries (decodes) go first so the attention backend can batch them; a decode of a
+token the step in flight samples reads it on the device. A decode-only batch on CUDA replays a
+captured graph (engine.cuda_graphs) when the backend allows it; other steps run eagerly.
 """
 
 from __future__ import annotations
@@ -336,10 +337,6 @@ class ModelRunner:
     def release(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
         self.tables.drop(seq_id)
-
-    def execute(self, batch: Batch) -> list[int]:
-        """Forward + sampling, waited for: `launch(batch).result()`."""
-        return self.launch(batch).result()
 
     @torch.inference_mode()
     def launch(self, batch: Batch) -> PendingTokens:
