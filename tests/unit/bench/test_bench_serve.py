@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from perf_tier_process import run_perf_tier
 
 from bench.launch import MAX_MODEL_LEN, load_server_info, target_args
 
@@ -22,17 +23,6 @@ REPO = Path(__file__).resolve().parents[3]
 def _stop(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGTERM)
-
-
-def run_perf_tier(args: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
-    """`pytest -m perf tests/perf -q ARGS` in a subprocess, from the repository root."""
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "-m", "perf", "tests/perf", "-q", *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=timeout_s,
-    )
 
 
 def run_bench_serve(

@@ -5,12 +5,11 @@ beside the run; --save-baseline refuses a run whose budgets failed."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from perf_tier_process import run_perf_tier
 
 from bench.fake_server import FakeServerConfig, FakeServerProcess
 
@@ -21,23 +20,8 @@ def perf_tier(
     url: str, out: Path, *args: str, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     """The smoke profile's closed loop at 1 in flight against the server at `url`."""
-    command = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-m",
-        "perf",
-        "tests/perf",
-        "-q",
-        "-rs",
-        "-p",
-        "no:cacheprovider",
-    ]
-    command += ["--server-url", url, "--profile", "smoke", "--trials", "1", "--perf-out", str(out)]
-    command += ["-k", "closed_loop and 1", *args]
-    return subprocess.run(
-        command, cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})}
-    )
+    arguments = ["-rs", "--server-url", url, "--profile", "smoke", "--trials", "1", "--perf-out", str(out)]
+    return run_perf_tier([*arguments, "-k", "closed_loop and 1", *args], timeout_s=120, env=env)
 
 
 @pytest.fixture(scope="module")

@@ -5,32 +5,15 @@ the slowdown pass in every CI run (scripts/test.sh's smoke)."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[3]
+from perf_tier_process import run_perf_tier
 
 
 def test_a_2x_slower_engine_fails_the_smoke_budgets(tmp_path):
-    command = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-m",
-        "perf",
-        "tests/perf",
-        "-q",
-        "-rs",
-        "-p",
-        "no:cacheprovider",
-    ]
-    command += ["--profile", "smoke", "--model", "tiny", "--trials", "1", "--perf-out", str(tmp_path)]
-    command += ["-k", "offline or (closed_loop and 4)"]
-    env = {**os.environ, "PERF_INJECT_SLOWDOWN": "2"}
-    run = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=400, env=env)
+    arguments = ["-rs", "--profile", "smoke", "--model", "tiny", "--trials", "1", "--perf-out", str(tmp_path)]
+    arguments += ["-k", "offline or (closed_loop and 4)"]
+    run = run_perf_tier(arguments, timeout_s=400, env={"PERF_INJECT_SLOWDOWN": "2"})
     out = run.stdout
     assert run.returncode == 1, out[-3000:]
     assert "engine steps made 2x slower" in (tmp_path / "engine-server.log").read_text()

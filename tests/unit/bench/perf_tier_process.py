@@ -1,0 +1,25 @@
+"""The perf tier run as a user runs it: `pytest -m perf tests/perf -q ARGS` in a subprocess from the
+repository root. Shared by the tests that drive the tier end to end (bench serve, the gate, the smoke)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def run_perf_tier(
+    args: list[str], timeout_s: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """The tier with ARGS, its output captured; env adds to this process's environment."""
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-m", "perf", "tests/perf", "-q", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=timeout_s,
+        env={**os.environ, **(env or {})},
+    )
