@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ulp import ulp_distance
 
 from engine.kernels.norm import fused_add_rms_norm, rms_norm
 from engine.kernels.reference import fused_add_rms_norm_reference, rms_norm_reference
@@ -18,23 +19,6 @@ from engine.kernels.reference import fused_add_rms_norm_reference, rms_norm_refe
 ON_CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not ON_CUDA, reason="needs a CUDA device")
 EPS = 1e-6
-
-
-def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Elementwise count of representable values between a and b (same dtype), as int64."""
-    assert a.dtype == b.dtype
-    bits = {
-        torch.float32: (torch.int32, 31),
-        torch.float16: (torch.int16, 15),
-        torch.bfloat16: (torch.int16, 15),
-    }
-    int_dtype, sign_bit = bits[a.dtype]
-
-    def ordered(t: torch.Tensor) -> torch.Tensor:
-        raw = t.contiguous().view(int_dtype).long()
-        return torch.where(raw < 0, -(raw & ((1 << sign_bit) - 1)), raw)  # -0 and +0 both map to 0
-
-    return (ordered(a) - ordered(b)).abs()
 
 
 def assert_matches(
