@@ -1,5 +1,6 @@
-"""Argument checks the attention and KV-cache launchers share: the query and the paged cache, the
-index tensors, an `out` buffer. Each raises ValueError naming the first thing wrong, and formats its
+"""Argument checks the attention, KV-cache and rotary launchers share: the query and the paged cache,
+the index tensors, an `out` buffer, the rotary inputs, a K/V store (the fused rotary + store launcher
+runs the last two). Each raises ValueError naming the first thing wrong, and formats its
 message only then (checks run in every layer of every eager step). Launchers skip them with
 check=False where the caller built the tensors itself."""
 
@@ -76,6 +77,71 @@ def check_out(out: torch.Tensor | None, query: torch.Tensor) -> None:
             f"got ({tuple(out.shape)}, {out.dtype}, {out.device})"
         )
     check_last_dim_contiguous("out", out)
+
+
+def check_rotary(
+    query: torch.Tensor, key: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor
+) -> None:
+    """query [num_tokens, num_heads, head_dim] and key [num_tokens, num_kv_heads, head_dim] of one float
+    dtype, head_dim even (neox rotates halves); cos_sin [max_positions, head_dim] float32; positions
+    [num_tokens] int64 or int32; all on query's device, last dims contiguous. Positions are not checked
+    against max_positions: that would sync with the device."""
+    for name, heads in (("query", query), ("key", key)):
+        if heads.dim() != 3:
+            raise ValueError(f"{name} must be [num_tokens, heads, head_dim], got shape {tuple(heads.shape)}")
+        if heads.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{name} has dtype {heads.dtype}; supported: {FLOAT_DTYPES}")
+        check_last_dim_contiguous(name, heads)
+    num_tokens, _, head_dim = query.shape
+    if key.dtype != query.dtype:
+        raise ValueError(f"key has dtype {key.dtype}, query {query.dtype}")
+    if key.shape[0] != num_tokens or key.shape[2] != head_dim:
+        raise ValueError(
+            f"key has shape {tuple(key.shape)}, query {tuple(query.shape)}: tokens and head_dim must match"
+        )
+    if head_dim % 2 != 0:
+        raise ValueError(f"head_dim must be even, got {head_dim}")
+    if cos_sin.dim() != 2 or cos_sin.shape[1] != head_dim:
+        raise ValueError(f"cos_sin has shape {tuple(cos_sin.shape)}, expected [max_positions, {head_dim}]")
+    if cos_sin.dtype != torch.float32:
+        raise ValueError(f"cos_sin has dtype {cos_sin.dtype}, expected torch.float32")
+    check_last_dim_contiguous("cos_sin", cos_sin)
+    if positions.shape != (num_tokens,):
+        raise ValueError(f"positions has shape {tuple(positions.shape)}, expected ({num_tokens},)")
+    if positions.dtype not in INDEX_DTYPES:
+        raise ValueError(f"positions has dtype {positions.dtype}, expected torch.int64 or torch.int32")
+    for name, tensor in (("key", key), ("cos_sin", cos_sin), ("positions", positions)):
+        check_device(name, tensor, query)
+
+
+def check_kv_store(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """key, value [num_tokens, num_kv_heads, head_dim] alike, last dim contiguous; a paged cache of
+    their dtype and [num_kv_heads, head_dim]; slot_mapping [num_tokens] int32/int64."""
+    if key.dim() != 3:
+        raise ValueError(f"key must be [num_tokens, num_kv_heads, head_dim], got shape {tuple(key.shape)}")
+    if value.shape != key.shape:
+        raise ValueError(f"value shape {tuple(value.shape)} differs from key {tuple(key.shape)}")
+    if value.dtype != key.dtype:
+        raise ValueError(f"value dtype {value.dtype} differs from key's {key.dtype}")
+    for name, tensor in (("key", key), ("value", value)):
+        check_last_dim_contiguous(name, tensor)
+        check_device(name, tensor, key)
+    check_paged_cache(key_cache, value_cache, key)
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if tuple(key_cache.shape[2:]) != (num_kv_heads, head_dim):
+        raise ValueError(
+            f"cache [num_kv_heads, head_dim] = {tuple(key_cache.shape[2:])} differs from key's "
+            f"{(num_kv_heads, head_dim)}"
+        )
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping must be [num_tokens ({num_tokens})], got {tuple(slot_mapping.shape)}")
+    check_index("slot_mapping", slot_mapping, 1, num_tokens, key)
 
 
 def check_last_dim_contiguous(name: str, tensor: torch.Tensor) -> None:

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.checks import check_device, check_index, check_last_dim_contiguous, check_paged_cache
+from engine.kernels.checks import check_kv_store
 
 
 @triton.jit
@@ -62,34 +62,6 @@ def _store_kv_kernel(
     tl.store(value_dst + offs_h[:, None] * stride_vc_head + offs_d[None, :], value, mask=mask)
 
 
-def _check_inputs(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    if key.dim() != 3:
-        raise ValueError(f"key must be [num_tokens, num_kv_heads, head_dim], got shape {tuple(key.shape)}")
-    if value.shape != key.shape:
-        raise ValueError(f"value shape {tuple(value.shape)} differs from key {tuple(key.shape)}")
-    if value.dtype != key.dtype:
-        raise ValueError(f"value dtype {value.dtype} differs from key's {key.dtype}")
-    for name, tensor in (("key", key), ("value", value)):
-        check_last_dim_contiguous(name, tensor)
-        check_device(name, tensor, key)
-    check_paged_cache(key_cache, value_cache, key)
-    num_tokens, num_kv_heads, head_dim = key.shape
-    if tuple(key_cache.shape[2:]) != (num_kv_heads, head_dim):
-        raise ValueError(
-            f"cache [num_kv_heads, head_dim] = {tuple(key_cache.shape[2:])} differs from key's "
-            f"{(num_kv_heads, head_dim)}"
-        )
-    if slot_mapping.shape != (num_tokens,):
-        raise ValueError(f"slot_mapping must be [num_tokens ({num_tokens})], got {tuple(slot_mapping.shape)}")
-    check_index("slot_mapping", slot_mapping, 1, num_tokens, key)
-
-
 def store_kv(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -111,7 +83,7 @@ def store_kv(
     argument checks (tens of microseconds of host time), for callers whose tensors are their own.
     """
     if check:
-        _check_inputs(key, value, key_cache, value_cache, slot_mapping)
+        check_kv_store(key, value, key_cache, value_cache, slot_mapping)
     num_tokens, num_kv_heads, head_dim = key.shape
     block_size = key_cache.shape[1]
     if num_tokens == 0:

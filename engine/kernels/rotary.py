@@ -11,9 +11,28 @@ import torch
 import triton
 import triton.language as tl
 
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+from engine.kernels.checks import check_rotary
+
 # Elements of one half-head tile a loop step rotates: [BLOCK_HEADS, BLOCK_HALF] <= this.
 MAX_TILE = 2048
+
+
+@triton.jit
+def _rotate_tile(
+    first_ptrs,  # [BLOCK_HEADS, BLOCK_HALF]: the first half of each head; the second half is HALF further
+    mask,  # [BLOCK_HEADS, BLOCK_HALF]
+    cos,  # [BLOCK_HALF] float32
+    sin,  # [BLOCK_HALF] float32
+    HALF: tl.constexpr,
+):
+    """Both rotated halves of a tile of heads, rounded once to the tensor's dtype: the one place the
+    rotation's arithmetic lives, for every kernel that rotates."""
+    x1 = tl.load(first_ptrs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+    out1 = x1 * cos[None, :] - x2 * sin[None, :]
+    out2 = x2 * cos[None, :] + x1 * sin[None, :]
+    dtype = first_ptrs.dtype.element_ty
+    return out1.to(dtype), out2.to(dtype)
 
 
 @triton.jit
@@ -34,12 +53,9 @@ def _rotate_heads(
         mask = (heads[:, None] < NUM_HEADS) & half_mask[None, :]
         # [BLOCK_HEADS, BLOCK_HALF]: the first half of each head; the second half is HALF further.
         first_ptrs = base_ptr + heads[:, None] * head_stride + half_offsets[None, :]
-        x1 = tl.load(first_ptrs, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(first_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
-        out1 = x1 * cos[None, :] - x2 * sin[None, :]
-        out2 = x2 * cos[None, :] + x1 * sin[None, :]
-        tl.store(first_ptrs, out1.to(base_ptr.dtype.element_ty), mask=mask)
-        tl.store(first_ptrs + HALF, out2.to(base_ptr.dtype.element_ty), mask=mask)
+        out1, out2 = _rotate_tile(first_ptrs, mask, cos, sin, HALF)
+        tl.store(first_ptrs, out1, mask=mask)
+        tl.store(first_ptrs + HALF, out2, mask=mask)
 
 
 @triton.jit
@@ -92,13 +108,18 @@ def _rotary_kernel(
     )
 
 
-def _check_heads(name: str, tensor: torch.Tensor) -> None:
-    if tensor.dim() != 3:
-        raise ValueError(f"{name} must be [num_tokens, heads, head_dim], got shape {tuple(tensor.shape)}")
-    if tensor.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"{name} has dtype {tensor.dtype}; supported: {SUPPORTED_DTYPES}")
-    if tensor.stride(2) != 1:
-        raise ValueError(f"{name} must have a contiguous last dim, got strides {tensor.stride()}")
+def _tile_sizes(head_dim: int, num_heads: int, num_kv_heads: int) -> dict[str, int]:
+    """The rotary kernels' constexpr tile sizes: half-heads padded to a power of two, and as many
+    heads a loop step as fit in MAX_TILE elements (one step for the models we serve)."""
+    half = head_dim // 2
+    block_half = triton.next_power_of_2(half)
+    max_heads = max(MAX_TILE // block_half, 1)
+    return {
+        "HALF": half,
+        "BLOCK_HALF": block_half,
+        "BLOCK_QUERY_HEADS": min(triton.next_power_of_2(max(num_heads, 1)), max_heads),
+        "BLOCK_KEY_HEADS": min(triton.next_power_of_2(max(num_kv_heads, 1)), max_heads),
+    }
 
 
 def apply_rotary(
@@ -112,35 +133,10 @@ def apply_rotary(
     positions: [num_tokens] int64 (or int32), each in [0, max_positions): not checked, as that would
     sync with the device. out_first = x1*cos - x2*sin, out_second = x2*cos + x1*sin, in float32.
     """
-    _check_heads("query", query)
-    _check_heads("key", key)
+    check_rotary(query, key, cos_sin, positions)
     num_tokens, num_heads, head_dim = query.shape
-    if key.dtype != query.dtype:
-        raise ValueError(f"key has dtype {key.dtype}, query {query.dtype}")
-    if key.shape[0] != num_tokens or key.shape[2] != head_dim:
-        raise ValueError(
-            f"key has shape {tuple(key.shape)}, query {tuple(query.shape)}: tokens and head_dim must match"
-        )
-    if head_dim % 2 != 0:
-        raise ValueError(f"head_dim must be even, got {head_dim}")
-    if cos_sin.dim() != 2 or cos_sin.shape[1] != head_dim:
-        raise ValueError(f"cos_sin has shape {tuple(cos_sin.shape)}, expected [max_positions, {head_dim}]")
-    if cos_sin.dtype != torch.float32:
-        raise ValueError(f"cos_sin has dtype {cos_sin.dtype}, expected torch.float32")
-    if cos_sin.stride(1) != 1:
-        raise ValueError(f"cos_sin must have a contiguous last dim, got strides {cos_sin.stride()}")
-    if positions.shape != (num_tokens,):
-        raise ValueError(f"positions has shape {tuple(positions.shape)}, expected ({num_tokens},)")
-    if positions.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"positions has dtype {positions.dtype}, expected torch.int64 or torch.int32")
-    for name, tensor in (("key", key), ("cos_sin", cos_sin), ("positions", positions)):
-        if tensor.device != query.device:
-            raise ValueError(f"{name} is on {tensor.device}, query on {query.device}")
     if num_tokens == 0:
         return
-    half = head_dim // 2
-    block_half = triton.next_power_of_2(half)
-    max_heads = max(MAX_TILE // block_half, 1)
     _rotary_kernel[(num_tokens,)](
         query,
         key,
@@ -153,9 +149,6 @@ def apply_rotary(
         cos_sin.stride(0),
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=key.shape[1],
-        HALF=half,
-        BLOCK_HALF=block_half,
-        BLOCK_QUERY_HEADS=min(triton.next_power_of_2(max(num_heads, 1)), max_heads),
-        BLOCK_KEY_HEADS=min(triton.next_power_of_2(max(key.shape[1], 1)), max_heads),
+        **_tile_sizes(head_dim, num_heads, key.shape[1]),
         num_warps=4,
     )
