@@ -1,9 +1,10 @@
 """Attention backends behind one interface, chosen by name through a small registry.
 
 A backend has `prepare(meta)` (once per step: what every layer shares), `forward(q, k, v, kv_cache,
-meta, scale)` (store this step's K/V, attend), and `supports_cuda_graphs`. `get_backend("auto",
-device)` picks Triton on CUDA when triton is installed, else the torch reference; every backend
-must agree with the torch reference.
+meta, scale)` (store this step's K/V, attend), `supports_cuda_graphs` and `fuses_rotary`: where True,
+the model may hand the rotary embedding to `forward(..., rotary=(cos_sin, positions))` and the backend
+rotates q and k in the same launch that stores K/V. `get_backend("auto", device)` picks Triton on CUDA
+when triton is installed, else the torch reference; every backend must agree with the torch reference.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from engine.attention.metadata import AttentionMetadata, current_metadata, forward_context
+from engine.attention.metadata import AttentionMetadata, RotaryInputs, current_metadata, forward_context
 from engine.attention.torch_backend import TorchAttentionBackend
 
 BACKEND_NAMES = ("auto", "torch", "triton")
@@ -22,6 +23,9 @@ BACKEND_NAMES = ("auto", "torch", "triton")
 class AttentionBackend(Protocol):
     name: str
     supports_cuda_graphs: bool
+    # forward accepts rotary=(cos_sin, positions): q and k arrive unrotated, the backend rotates them
+    # in place (the kernels' float32 rotation, engine.kernels.rotary) as it stores K/V.
+    fuses_rotary: bool
 
     def prepare(self, meta: AttentionMetadata) -> None: ...
 
@@ -33,6 +37,7 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        rotary: RotaryInputs | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -59,6 +64,7 @@ __all__ = [
     "BACKEND_NAMES",
     "AttentionBackend",
     "AttentionMetadata",
+    "RotaryInputs",
     "current_metadata",
     "forward_context",
     "get_backend",

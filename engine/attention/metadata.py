@@ -49,6 +49,11 @@ class AttentionMetadata:
         return self.query_start_loc_cpu[i + 1] - self.query_start_loc_cpu[i]
 
 
+# (cos_sin [max_positions, head_dim] float32: cos of each frequency, then sin; positions [num_tokens]
+# int64 or int32): what a backend with fuses_rotary needs to rotate q and k itself (neox halves).
+RotaryInputs = tuple[torch.Tensor, torch.Tensor]
+
+
 def context_slots(block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
     """[batch, length] int64 cache slot of each context position, from block tables [batch, max_blocks]."""
     num_blocks = -(-length // block_size)

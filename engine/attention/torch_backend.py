@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from engine.attention.metadata import AttentionMetadata, context_slots
+from engine.attention.metadata import AttentionMetadata, RotaryInputs, context_slots
 
 # cuDNN's SDPA builds a new plan for every shape (milliseconds of host time per call): keep it out.
 _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -22,6 +22,8 @@ _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SD
 class TorchAttentionBackend:
     name = "torch"
     supports_cuda_graphs = False  # the decode gather's width depends on the step's longest context
+    # The model rotates q and k itself on this path (its torch rotary, rounded as transformers rounds).
+    fuses_rotary = False
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Gather indices for the step's decodes, built once and read by every layer."""
@@ -49,7 +51,10 @@ class TorchAttentionBackend:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        rotary: RotaryInputs | None = None,
     ) -> torch.Tensor:
+        if rotary is not None:
+            raise ValueError("the torch attention backend does not fuse rotary (fuses_rotary is False)")
         self.write_kv(key, value, kv_cache, meta)
         out = torch.empty_like(query)
         if meta.num_decodes:

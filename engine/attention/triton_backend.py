@@ -1,10 +1,12 @@
 """Paged attention through the Triton kernels: the CUDA fast path, graph-safe for decode-only steps.
 
-This step's K/V go into the cache with one kernel (engine.kernels.kv_cache), decodes attend in place
-through the block table with the flash-decoding kernel (engine.kernels.decode_attention), and all of
-the step's prompt chunks attend in one launch of the varlen prefill kernel
-(engine.kernels.prefill_attention), each over its cached context plus its own causal part. On CPU the
-same kernels run through Triton's interpreter, which is how the tests check this backend without a GPU.
+This step's K/V go into the cache with one kernel (engine.kernels.kv_cache), or, when the model hands
+the rotary embedding over (`rotary=`), with the kernel that also rotates q and k (engine.kernels.rotary:
+one launch a layer fewer). Decodes attend in place through the block table with the flash-decoding
+kernel (engine.kernels.decode_attention), and all of the step's prompt chunks attend in one launch of
+the varlen prefill kernel (engine.kernels.prefill_attention), each over its cached context plus its own
+causal part. On CPU the same kernels run through Triton's interpreter, which is how the tests check
+this backend without a GPU.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ import functools
 
 import torch
 
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata, RotaryInputs
 from engine.kernels.decode_attention import choose_num_splits, paged_decode_attention
 from engine.kernels.kv_cache import store_kv
 from engine.kernels.prefill_attention import paged_prefill_attention
+from engine.kernels.rotary import rotary_store_kv
 
 
 @functools.cache
@@ -29,6 +32,7 @@ def _num_sms(device_index: int | None) -> int:
 class TritonAttentionBackend:
     name = "triton"
     supports_cuda_graphs = True
+    fuses_rotary = True
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Nothing to build: the kernels read the step buffers directly; the split count is per layer."""
@@ -41,9 +45,26 @@ class TritonAttentionBackend:
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        rotary: RotaryInputs | None = None,  # (cos_sin, positions): q and k arrive unrotated
     ) -> torch.Tensor:
+        """Store this step's K/V and attend. With rotary, q and k are first rotated in place (bit for bit
+        as engine.kernels.rotary.apply_rotary would) by the same launch that stores K/V."""
         # The runner's own buffers: the launchers' argument checks (tested) are skipped on the hot path.
-        store_kv(key, value, kv_cache[0], kv_cache[1], meta.slot_mapping, check=False)
+        if rotary is None:
+            store_kv(key, value, kv_cache[0], kv_cache[1], meta.slot_mapping, check=False)
+        else:
+            cos_sin, positions = rotary
+            rotary_store_kv(
+                query,
+                key,
+                value,
+                cos_sin,
+                positions,
+                kv_cache[0],
+                kv_cache[1],
+                meta.slot_mapping,
+                check=False,
+            )
         out = torch.empty_like(query)
         decodes = meta.num_decodes
         if decodes:

@@ -3,6 +3,10 @@
 On CPU the kernels run through Triton's interpreter (float32, the tiny model); on CUDA in bf16, where
 near-ties may flip a token, so there the outputs must agree on most tokens and each must be a
 near-argmax (tests/unit/engine/test_gpu.py holds the bf16 checks against transformers).
+
+The fused rotary path (forward(..., rotary=(cos_sin, positions))) is checked on one hand-built step
+against apply_rotary then the unfused forward: the same output, q, k and cache, bit for bit; and the
+torch backend, which does not fuse rotary, refuses it.
 """
 
 from __future__ import annotations
@@ -11,8 +15,11 @@ import random
 
 import pytest
 import torch
+from test_rotary import make_cos_sin
 
 from engine import LLM, SamplingParams
+from engine.attention import AttentionMetadata, get_backend
+from engine.kernels.rotary import apply_rotary
 
 ON_CUDA = torch.cuda.is_available()
 
@@ -45,3 +52,90 @@ def test_triton_backend_generates_what_the_torch_backend_does(tiny_model_dir):
 def test_unknown_backend_is_refused_by_name(tiny_model_dir):
     with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
         LLM(str(tiny_model_dir), device="cpu", attention_backend="flash")
+
+
+def make_step(context_lens: list[int], query_lens: list[int], padding_rows: int, dtype, device, seed=0):
+    """A step over a random cache: sequence i computes its last query_lens[i] of context_lens[i]
+    tokens (decodes first), each with its own shuffled block table; then padding_rows decode rows of
+    seq_len 0 and slot -1, as a padded CUDA-graph batch carries. Returns (qkv, meta, positions, kv_cache,
+    cos_sin) for 4 query heads and 2 KV heads of 16 in blocks of 4."""
+    num_heads, num_kv_heads, head_dim, block_size, max_blocks = 4, 2, 16, 4, 8
+    generator = torch.Generator().manual_seed(seed)
+    num_seqs = len(context_lens) + padding_rows
+    tables = torch.randperm(num_seqs * max_blocks, generator=generator).view(num_seqs, max_blocks)
+    positions, slots = [], []
+    for i, (context_len, query_len) in enumerate(zip(context_lens, query_lens, strict=True)):
+        for position in range(context_len - query_len, context_len):
+            positions.append(position)
+            slots.append(int(tables[i, position // block_size]) * block_size + position % block_size)
+    positions += [0] * padding_rows
+    slots += [-1] * padding_rows
+    query_lens = query_lens + [1] * padding_rows
+    seq_lens = context_lens + [0] * padding_rows
+    starts = [0]
+    for query_len in query_lens:
+        starts.append(starts[-1] + query_len)
+    num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), num_seqs)
+
+    def as_int32(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    meta = AttentionMetadata(
+        slot_mapping=as_int32(slots),
+        block_tables=tables.to(device=device, dtype=torch.int32),
+        seq_lens=as_int32(seq_lens),
+        query_start_loc=as_int32(starts),
+        seq_lens_cpu=seq_lens,
+        query_start_loc_cpu=starts,
+        num_decodes=num_decodes,
+        block_size=block_size,
+        max_decode_len=max(seq_lens[:num_decodes], default=0),
+        max_prefill_len=max(query_lens[num_decodes:], default=0),
+    )
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = torch.randn(len(positions), width, generator=generator).to(device=device, dtype=dtype)
+    cache_shape = (2, num_seqs * max_blocks, block_size, num_kv_heads, head_dim)
+    kv_cache = torch.randn(cache_shape, generator=generator).to(device=device, dtype=dtype)
+    cos_sin = make_cos_sin(max_blocks * block_size, head_dim, 10000.0, device)
+    return qkv, meta, torch.tensor(positions, device=device), kv_cache, cos_sin
+
+
+def split_qkv(qkv: torch.Tensor):
+    """q [num_tokens, 4, 16], k and v [num_tokens, 2, 16]: views of the qkv output, as the model's."""
+    query, key, value = qkv.split([64, 32, 32], dim=-1)
+    return query.view(-1, 4, 16), key.view(-1, 2, 16), value.view(-1, 2, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "context_lens,query_lens,padding_rows",
+    [
+        ([6, 9, 8], [1, 1, 5], 0),  # two decodes and a chunk over a cached prefix, across blocks of 4
+        ([5, 12], [1, 1], 2),  # decodes of a padded CUDA-graph batch
+    ],
+)
+def test_fused_rotary_matches_rotary_then_forward(device, dtype, context_lens, query_lens, padding_rows):
+    backend = get_backend("triton")
+    assert backend.fuses_rotary
+    qkv, meta, positions, kv_cache, cos_sin = make_step(context_lens, query_lens, padding_rows, dtype, device)
+    backend.prepare(meta)
+    unfused_qkv, unfused_cache = qkv.clone(), kv_cache.clone()
+    query, key, value = split_qkv(unfused_qkv)
+    apply_rotary(query, key, cos_sin, positions)
+    expected = backend.forward(query, key, value, unfused_cache, meta, 0.25)
+
+    query, key, value = split_qkv(qkv)
+    out = backend.forward(query, key, value, kv_cache, meta, 0.25, rotary=(cos_sin, positions))
+
+    assert torch.equal(out, expected)
+    assert torch.equal(qkv, unfused_qkv)  # q and k rotated in place alike, v untouched
+    assert torch.equal(kv_cache, unfused_cache)
+
+
+def test_torch_backend_does_not_fuse_rotary(device):
+    backend = get_backend("torch")
+    assert not backend.fuses_rotary
+    qkv, meta, positions, kv_cache, cos_sin = make_step([3], [1], 0, torch.float32, device)
+    backend.prepare(meta)
+    with pytest.raises(ValueError, match="does not fuse rotary"):
+        backend.forward(*split_qkv(qkv), kv_cache, meta, 0.25, rotary=(cos_sin, positions))
