@@ -21,6 +21,23 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
+def silu_mul(gate, up, dtype: tl.constexpr, TORCH_EXP: tl.constexpr):
+    """silu(gate) * up from float32 gate and up, rounded to dtype where torch's `F.silu(gate) * up` rounds.
+
+    Shared by the activation kernel and the skinny matmul that applies it to its input (engine.kernels.gemv).
+    """
+    # torch's CUDA silu is x / (1 + expf(-x)) with an IEEE division; libdevice's expf and div_rn
+    # reproduce it bit for bit. The interpreter has no libdevice: it takes numpy's exp instead.
+    if TORCH_EXP:
+        exp_neg = libdevice.exp(-gate)
+    else:
+        exp_neg = tl.exp(-gate)
+    silu = tl.math.div_rn(gate, 1.0 + exp_neg).to(dtype)
+    # The float32 product of two bf16/fp16 values is exact, so one rounding equals torch's.
+    return (silu.to(tl.float32) * up).to(dtype)
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     gate_up_ptr,  # [num_tokens, 2 * inter], row stride gate_up_row_stride
     out_ptr,  # [num_tokens, inter], row stride out_row_stride
@@ -36,15 +53,7 @@ def _silu_and_mul_kernel(
     gate_ptrs = gate_up_ptr + row * gate_up_row_stride + cols
     gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_ptrs + inter, mask=mask, other=0.0).to(tl.float32)
-    # torch's CUDA silu is x / (1 + expf(-x)) with an IEEE division; libdevice's expf and div_rn
-    # reproduce it bit for bit. The interpreter has no libdevice: it takes numpy's exp instead.
-    if TORCH_EXP:
-        exp_neg = libdevice.exp(-gate)
-    else:
-        exp_neg = tl.exp(-gate)
-    silu = tl.math.div_rn(gate, 1.0 + exp_neg).to(out_ptr.dtype.element_ty)
-    # The float32 product of two bf16/fp16 values is exact, so one rounding equals torch's.
-    out = (silu.to(tl.float32) * up).to(out_ptr.dtype.element_ty)
+    out = silu_mul(gate, up, out_ptr.dtype.element_ty, TORCH_EXP)
     tl.store(out_ptr + row * out_row_stride + cols, out, mask=mask)
 
 

@@ -35,3 +35,19 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     from engine.kernels.activation import silu_and_mul as kernel
 
     return kernel(gate_up)
+
+
+def gemv_rows(out_features: int, in_features: int, silu_mul_input: bool = False) -> int:
+    """Projections of this weight shape and at most this many rows take the skinny matmul (0: never,
+    for shapes where it was not measured faster than cuBLAS); more rows go to cuBLAS."""
+    from engine.kernels.gemv import FASTER_THAN_CUBLAS_ROWS, wins
+
+    return FASTER_THAN_CUBLAS_ROWS if wins(out_features, in_features, silu_mul_input) else 0
+
+
+def gemv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul_input: bool = False
+) -> torch.Tensor:
+    from engine.kernels.gemv import gemv as kernel
+
+    return kernel(x, weight, bias, silu_mul_input=silu_mul_input, check=False)

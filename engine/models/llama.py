@@ -5,7 +5,8 @@ Every op mirrors transformers' order and dtype handling (RMSNorm in float32, res
 model dtype), which is what lets the tests compare greedy outputs token for token. q/k/v and
 gate/up projections are merged into one matmul each; `load_weights` maps the checkpoint's names.
 With `kernels` (the CUDA fast path) the norms (fused with the residual add), rotary and the MLP
-activation run as Triton kernels with the same roundings; otherwise their torch references.
+activation run as Triton kernels with the same roundings, and projections of a few rows (decode steps
+of a few sequences) run through the skinny-matmul kernel; otherwise their torch references.
 """
 
 from __future__ import annotations
@@ -27,6 +28,20 @@ from engine.kernels.reference import (
     silu_and_mul_reference,
 )
 from engine.models import kernels as fast
+
+
+class Linear(nn.Linear):
+    """nn.Linear that, with kernels, sends a projection of a few rows (a decode step of a few sequences)
+    to the skinny-matmul kernel, which streams the weight faster than cuBLAS's small-M kernels there."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, kernels: bool = False) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.gemv_rows = fast.gemv_rows(out_features, in_features) if kernels else 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.gemv_rows:
+            return fast.gemv(x, self.weight, self.bias)
+        return super().forward(x)
 
 
 class RMSNorm(nn.Module):
@@ -122,7 +137,9 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, backend, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_index: int, backend, rotary: RotaryEmbedding, kernels: bool = False
+    ) -> None:
         super().__init__()
         self.rotary = [rotary]  # the model's, shared: a list keeps it out of this module's children
         self.num_heads = config.num_heads
@@ -132,10 +149,10 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.layer_index = layer_index
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        self.qkv_proj = Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, kernels
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, config.hidden_size, False, kernels)
         self.backend = backend
         # [2, num_blocks, block_size, num_kv_heads, head_dim]; bound by the runner once sized.
         self.kv_cache: torch.Tensor = torch.empty(0)
@@ -146,8 +163,20 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary[0].rotate(q, k, rope)
-        out = self.backend.forward(q, k, v, self.kv_cache, current_metadata(), self.scale)
+        rotary = self.rotary[0]
+        if rope.cos is None and self.backend.fuses_rotary:  # kernels: rotated as K/V are stored, one launch
+            out = self.backend.forward(
+                q,
+                k,
+                v,
+                self.kv_cache,
+                current_metadata(),
+                self.scale,
+                rotary=(rotary.cos_sin, rope.positions),
+            )
+        else:
+            q, k = rotary.rotate(q, k, rope)
+            out = self.backend.forward(q, k, v, self.kv_cache, current_metadata(), self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -156,11 +185,17 @@ class MLP(nn.Module):
         super().__init__()
         self.kernels = kernels
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, kernels)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, kernels)
+        # Rows up to which down_proj takes the activation fused into the skinny matmul's input.
+        self.fused_down_rows = (
+            fast.gemv_rows(config.hidden_size, config.intermediate_size, silu_mul_input=True) if kernels else 0
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]: gate, then up
+        if x.shape[0] <= self.fused_down_rows:  # the activation applied as the kernel loads its input
+            return fast.gemv(gate_up, self.down_proj.weight, silu_mul_input=True)
         if self.kernels:
             return self.down_proj(fast.silu_and_mul(gate_up))
         return self.down_proj(silu_and_mul_reference(gate_up))
@@ -178,7 +213,7 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-        self.self_attn = Attention(config, layer_index, backend, rotary)
+        self.self_attn = Attention(config, layer_index, backend, rotary, kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.mlp = MLP(config, kernels)
 

@@ -11,6 +11,7 @@ torch backend, which does not fuse rotary, refuses it.
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -19,6 +20,7 @@ from test_rotary import make_cos_sin
 
 from engine import LLM, SamplingParams
 from engine.attention import AttentionMetadata, get_backend
+from engine.kernels import gemv
 from engine.kernels.rotary import apply_rotary
 
 ON_CUDA = torch.cuda.is_available()
@@ -42,11 +44,42 @@ def _generate(model_dir, backend: str, prompts, **options):
     return [o.token_ids for o in llm.generate(prompts, params)]
 
 
-def test_triton_backend_generates_what_the_torch_backend_does(tiny_model_dir):
+def test_triton_backend_generates_what_the_torch_backend_does(tiny_model_dir, monkeypatch):
+    """Through the engine: fused rotary + K/V store, and the skinny matmul for every projection of the
+    decode steps (at most 6 rows here), the MLP's activation fused into down_proj's input included."""
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = hidden // config["num_attention_heads"]
+    qkv = hidden + 2 * config["num_key_value_heads"] * head_dim
+    small = gemv.GemvConfig(
+        block_n=64, block_k=128, split_k=2
+    )  # few programs: the interpreter runs them in turn
+    for shape in (
+        (qkv, hidden, False),
+        (hidden, hidden, False),
+        (2 * inter, hidden, False),
+        (hidden, inter, True),
+    ):
+        monkeypatch.setitem(gemv.TUNED, shape, small)
     rng = random.Random(1)
     prompts = [[rng.randrange(100, 30000) for _ in range(n)] for n in (1, 7, 8, 9, 30, 100)]
     reference = _generate(tiny_model_dir, "torch", prompts)
+    calls = []
+    monkeypatch.setattr(gemv, "_gemv_kernel", CountingKernel(gemv._gemv_kernel, calls))
     assert _generate(tiny_model_dir, "triton", prompts) == reference
+    assert calls, "the decode steps never took the skinny matmul"
+
+
+class CountingKernel:
+    """A Triton kernel's stand-in that counts its launches (`kernel[grid](...)`) and runs the kernel."""
+
+    def __init__(self, kernel, calls: list) -> None:
+        self.kernel = kernel
+        self.calls = calls
+
+    def __getitem__(self, grid):
+        self.calls.append(grid)
+        return self.kernel[grid]
 
 
 def test_unknown_backend_is_refused_by_name(tiny_model_dir):
