@@ -3,6 +3,11 @@
 The runner calls `send_request` for every request of a level; it speaks only the OpenAI completions
 API (`POST {base_url}/completions`, SSE `data:` lines), so this project's server and vLLM are measured
 through the very same code. Probes that describe the server before a run live in `bench.probe`.
+
+The transport is aiohttp, as in vLLM's own benchmark client (`vllm bench serve`): its C parser reads a
+streamed chunk for about a third of the CPU that httpx's pure-Python stack (httpcore, h11, anyio) took,
+which at 32 streams of a chunk every 3 ms had kept the event loop busy enough to read chunks and send
+new requests late (README: "Against `vllm bench serve`").
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import json
 import time
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 
 from bench.metrics import RequestRow
 from bench.workload import Request
@@ -35,21 +40,26 @@ class Endpoint:
 
 
 # Idle pooled connections are dropped after this long. uvicorn (ours and vLLM's) closes a connection
-# idle for 5 s, httpx's default expiry is also 5 s: a request sent on a connection the server is
-# closing at that instant comes back reset (ReadError) without the server having seen it. Against
-# vLLM this hit ~2 requests a sweep at the levels after a drain pause. Reconnecting over loopback
-# costs ~0.1 ms, far under any latency measured here.
+# idle for 5 s: a request sent on a connection the server is closing at that instant comes back reset
+# without the server having seen it (with httpx's default 5-s expiry this hit ~2 requests a sweep
+# against vLLM at the levels after a drain pause). Reconnecting over loopback costs ~0.1 ms, far under
+# any latency measured here.
 KEEPALIVE_EXPIRY_S = 1.0
 
+# Client-side exceptions that mean the connection broke mid-request (reset, closed, truncated body).
+STREAM_ERRORS = (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 
-def make_http_client(endpoint: Endpoint) -> httpx.AsyncClient:
-    """An async client with no connection cap (in an open loop every due request must go out at
-    once) that never reuses a connection the server may be about to close (KEEPALIVE_EXPIRY_S)."""
+
+def make_http_client(endpoint: Endpoint) -> aiohttp.ClientSession:
+    """A session with no connection cap (in an open loop every due request must go out at once) that
+    never reuses a connection the server may be about to close (KEEPALIVE_EXPIRY_S).
+
+    `endpoint.timeout_s` bounds connecting and each wait for data, not a whole stream. Call it inside
+    a running event loop (`async with make_http_client(endpoint) as http:`)."""
     headers = {"Authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else {}
-    limits = httpx.Limits(
-        max_connections=None, max_keepalive_connections=None, keepalive_expiry=KEEPALIVE_EXPIRY_S
-    )
-    return httpx.AsyncClient(timeout=endpoint.timeout_s, limits=limits, headers=headers)
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_EXPIRY_S)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=endpoint.timeout_s, sock_read=endpoint.timeout_s)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers, trust_env=True)
 
 
 def request_body(model: str, request: Request) -> dict[str, object]:
@@ -66,7 +76,7 @@ def request_body(model: str, request: Request) -> dict[str, object]:
 
 
 async def send_request(
-    http: httpx.AsyncClient,
+    http: aiohttp.ClientSession,
     endpoint: Endpoint,
     request: Request,
     row: RequestRow,
@@ -85,12 +95,12 @@ async def send_request(
     last_chunk: float | None = None
     saw_done = False
     try:
-        async with http.stream("POST", f"{endpoint.base_url}/completions", json=body) as response:
-            if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")
-                return _fail(row, f"http_{response.status_code}", text[:500], clock_zero)
+        async with http.post(f"{endpoint.base_url}/completions", json=body) as response:
+            if response.status != 200:
+                text = (await response.read()).decode(errors="replace")
+                return _fail(row, f"http_{response.status}", text[:500], clock_zero)
             pending = b""
-            async for data in response.aiter_bytes():
+            async for data in response.content.iter_any():
                 now = time.monotonic() - clock_zero
                 lines = (pending + data).split(b"\n")
                 pending = lines.pop()
@@ -115,11 +125,11 @@ async def send_request(
                     if usage:
                         usage_tokens = usage.get("completion_tokens")
                         row.usage_prompt_tokens = usage.get("prompt_tokens")
-    except httpx.TimeoutException as exc:
+    except TimeoutError as exc:  # aiohttp's connect and read timeouts derive from it
         return _fail(row, "timeout", repr(exc), clock_zero)
-    except httpx.ConnectError as exc:
+    except aiohttp.ClientConnectorError as exc:
         return _fail(row, "connect", repr(exc), clock_zero)
-    except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+    except STREAM_ERRORS as exc:
         return _fail(row, "stream_error", repr(exc), clock_zero)
     except Exception as exc:  # a malformed chunk or anything else: kept as a failed row
         return _fail(row, "error", repr(exc), clock_zero)

@@ -10,6 +10,7 @@ import asyncio
 import statistics
 import time
 
+import aiohttp
 import httpx
 
 from bench.client import Endpoint, make_http_client, send_request
@@ -41,31 +42,35 @@ async def _probe(endpoint: Endpoint, rtt_samples: int) -> dict[str, object]:
     return {"server": server, "rtt": rtt, "stream_check": stream}
 
 
-async def describe_server(http: httpx.AsyncClient, endpoint: Endpoint) -> dict[str, object]:
+PROBE_TIMEOUT = aiohttp.ClientTimeout(total=10.0)
+
+
+async def describe_server(http: aiohttp.ClientSession, endpoint: Endpoint) -> dict[str, object]:
     """`GET /version` as the server answers it (ours: name, version, model, device...; vLLM: version),
     else `GET {base_url}/models`; `{"source": ..., "body": ...}` either way, or an error note."""
     for source in (f"{endpoint.root_url}/version", f"{endpoint.base_url}/models"):
         try:
-            response = await http.get(source, timeout=10.0)
-            if response.status_code == 200:
-                return {"source": source, "body": response.json()}
-        except (httpx.HTTPError, ValueError):
+            async with http.get(source, timeout=PROBE_TIMEOUT) as response:
+                if response.status == 200:
+                    return {"source": source, "body": await response.json(content_type=None)}
+        except (TimeoutError, aiohttp.ClientError, ValueError):
             continue
     return {"source": None, "body": None, "error": "neither /version nor /models answered"}
 
 
-async def measure_rtt(http: httpx.AsyncClient, endpoint: Endpoint, samples: int) -> dict[str, float]:
+async def measure_rtt(http: aiohttp.ClientSession, endpoint: Endpoint, samples: int) -> dict[str, float]:
     """Round trips of `GET {base_url}/models` on a warm connection: min and median seconds."""
     times = []
     for _ in range(samples + 1):  # the first one opens the connection and is dropped
         start = time.monotonic()
-        await http.get(f"{endpoint.base_url}/models", timeout=10.0)
+        async with http.get(f"{endpoint.base_url}/models", timeout=PROBE_TIMEOUT) as response:
+            await response.read()
         times.append(time.monotonic() - start)
     return {"rtt_min_s": min(times[1:]), "rtt_median_s": statistics.median(times[1:])}
 
 
 async def check_streaming(
-    http: httpx.AsyncClient, endpoint: Endpoint, max_tokens: int = 32
+    http: aiohttp.ClientSession, endpoint: Endpoint, max_tokens: int = 32
 ) -> dict[str, object]:
     """Is the stream delivered as it is produced, or buffered by something on the way?
 

@@ -1,17 +1,17 @@
 """The load generator never sends a request on a connection the server is closing.
 
 uvicorn (behind our server and vLLM's) closes a keep-alive connection after it has been idle for
-`timeout_keep_alive`; a request written at that instant is reset without reaching the application
-(httpx: `ReadError('')`). Bursts of requests spaced by exactly that idle time hit the race often
-(dozens in a thousand requests with httpx's default 5-s expiry against a 5-s server); the client
-drops idle connections before the server would.
+`timeout_keep_alive`; a request written at that instant is reset without reaching the application.
+Bursts of requests spaced by exactly that idle time hit the race often with the httpx transport bench
+used before (`ReadError('')`, dozens in a thousand requests with httpx's default 5-s expiry against a
+5-s server); the client drops idle connections before the server would.
 """
 
 from __future__ import annotations
 
 import asyncio
 
-import httpx
+import aiohttp
 import uvicorn
 
 from bench import client
@@ -31,9 +31,9 @@ async def bursts(endpoint: Endpoint, count: int, size: int, gap_s: float) -> lis
 
         async def one() -> None:
             try:
-                response = await http.post(f"{endpoint.base_url}/completions", json=body)
-                await response.aread()
-            except httpx.HTTPError as exc:
+                async with http.post(f"{endpoint.base_url}/completions", json=body) as response:
+                    await response.read()
+            except aiohttp.ClientError as exc:
                 errors.append(repr(exc))
 
         for _ in range(count):
