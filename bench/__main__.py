@@ -1,11 +1,12 @@
-"""Command line: `python -m bench run|offline|report|compare|merge|serve`.
+"""Command line: `python -m bench run|offline|report|compare|merge|serve|ab|fidelity-summary`.
 
 `run` turns flags into a bench.suite.RunConfig and calls run_benchmark; `offline` drives a target's
 step-level engine in a child process (bench.offline.run_offline); `report` calls
 bench.report.write_report; `compare` calls bench.compare.compare_results and exits 1 on a regression;
 `merge` folds single-trial perf summaries run separately (bench.trials.merge_summaries); `serve`
 starts a target's server as the perf tier would and leaves it running (bench.launch); `ab` measures
-two commits on this machine, interleaved, and compares them (bench.ab).
+two commits on this machine, interleaved, and compares them (bench.ab); `fidelity-summary` folds
+alternating runs of bench and `vllm bench serve` into one JSON (bench.fidelity, scripts/fidelity.sh).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import httpx
 from bench.ab import AbConfig, AbError, run_ab
 from bench.client import Endpoint
 from bench.compare import DEFAULT_MAX_DROP, EXIT_BAD_INPUT, compare_results, parse_max_drop
+from bench.fidelity import DEFAULT_TOLERANCE_PCT, Run, describe, summarize_runs
 from bench.launch import MAX_MODEL_LEN, ServerProcess, ServerSpec
 from bench.metrics import parse_slo
 from bench.offline import (
@@ -271,7 +273,46 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=float, default=None, help="stop the worker after this many seconds"
     )
     offline.add_argument("--out", help="run folder (default bench-out/offline-TARGET-TIME)")
+
+    fidelity = commands.add_parser(
+        "fidelity-summary",
+        help="fold alternating runs of bench and `vllm bench serve` into one JSON; exit 1 when they differ",
+        description="Reads each run (a `bench run` folder, or the JSON of `vllm bench serve --save-result`), "
+        "in the order they ran, and writes per-run figures, each client's medians and bench's gap to vLLM's "
+        "client in percent. Exit 0 when the medians of output tokens/s are within the tolerance, 1 when "
+        "not, 3 when one client has no run (nothing compared), 2 for bad input.",
+    )
+    fidelity.add_argument("runs", nargs="+", help="bench=DIR or vllm=FILE, in the order they ran")
+    fidelity.add_argument("--out", required=True, help="summary JSON to write")
+    fidelity.add_argument("--label", help="which server was measured (recorded as is)")
+    fidelity.add_argument(
+        "--tolerance",
+        type=float,
+        default=DEFAULT_TOLERANCE_PCT,
+        help=f"largest gap of output tokens/s medians, in percent (default {DEFAULT_TOLERANCE_PCT:g})",
+    )
+    fidelity.add_argument("--bench-command", help="the bench command line, recorded as is")
+    fidelity.add_argument("--vllm-command", help="the vllm bench serve command line, recorded as is")
     return parser
+
+
+def command_fidelity(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    commands = {"bench": args.bench_command, "vllm": args.vllm_command}
+    try:
+        summary = summarize_runs(
+            [Run.parse(text) for text in args.runs],
+            args.tolerance,
+            {client: line for client, line in commands.items() if line},
+            args.label,
+        )
+    except (OSError, ValueError, KeyError) as exc:
+        parser.error(str(exc))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(json_safe(summary), indent=2) + "\n")
+    print(describe(summary))
+    print(f"wrote {out}")
+    return {True: 0, False: 1, None: 3}[summary["agree"]]
 
 
 def command_offline(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -464,6 +505,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return command_serve(args)
     if args.command == "offline":
         return command_offline(args, parser)
+    if args.command == "fidelity-summary":
+        return command_fidelity(args, parser)
     if args.command == "report":
         print(f"wrote {write_report(args.results, args.out)}")
         return 0
