@@ -18,7 +18,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 import httpx
@@ -68,6 +68,17 @@ def _token_range(text: str) -> tuple[int, int]:
         return int(low), int(high)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"expected LOW,HIGH, got {text!r}") from exc
+
+
+def _target_option(text: str) -> tuple[str, Any]:
+    """NAME=VALUE, the value read as JSON where it parses (16384, 0.9, true) and as a string otherwise."""
+    name, sep, value = text.partition("=")
+    if not sep or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    try:
+        return name, json.loads(value)
+    except json.JSONDecodeError:
+        return name, value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -222,6 +233,15 @@ def build_parser() -> argparse.ArgumentParser:
     offline.add_argument("--model", required=True, help="model folder")
     offline.add_argument("--dtype", default="bfloat16", help="float32 for the engine on CPU")
     offline.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
+    offline.add_argument(
+        "--option",
+        action="append",
+        type=_target_option,
+        default=[],
+        metavar="NAME=VALUE",
+        help="one more of the target's engine options (its EngineArgs field; repeatable), e.g. "
+        "max_num_batched_tokens=16384 or max_num_seqs=512; recorded in run.json with the options in force",
+    )
     offline_workload = offline.add_argument_group("workload")
     offline_workload.add_argument("--workload", choices=["seed-mix", "fixed", "jsonl"], default="seed-mix")
     offline_workload.add_argument("--input-len", type=int, default=128, help="fixed: prompt tokens")
@@ -339,6 +359,7 @@ def command_offline(args: argparse.Namespace, parser: argparse.ArgumentParser) -
                 ),
             ),
             max_model_len=args.max_model_len,
+            options=dict(args.option),
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -86,7 +86,9 @@ class OfflineLoad:
 @dataclass(frozen=True)
 class OfflineConfig:
     """One target on one model. `dtype`, `max_model_len` and `seed` are the target's options, the same
-    the perf tier starts its server with (bench.launch.target_args); the workload has its own seed."""
+    the perf tier starts its server with (bench.launch.target_args); the workload has its own seed.
+    `options`: more of the target's engine options by name (its EngineArgs fields, e.g.
+    max_num_batched_tokens or max_num_seqs, which both targets name alike), to measure a setting."""
 
     target: str
     model_dir: str
@@ -95,10 +97,14 @@ class OfflineConfig:
     load: OfflineLoad = field(default_factory=OfflineLoad)
     max_model_len: int = MAX_MODEL_LEN
     seed: int = 0
+    options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
             raise ValueError(f"unknown target {self.target!r} ({' or '.join(TARGETS)})")
+        fixed = {"model", "dtype", "max_model_len", "seed"} & set(self.options)
+        if fixed:
+            raise ValueError(f"options {sorted(fixed)} have their own flags (--model, --dtype, ...)")
 
     def as_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

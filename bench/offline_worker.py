@@ -45,13 +45,23 @@ class Target(Protocol):
 class EngineTarget:
     """This project's `engine.LLMEngine`: greedy, ignore_eos, the perf tier's options."""
 
-    def __init__(self, model_dir: str, dtype: str, max_model_len: int, seed: int) -> None:
+    def __init__(
+        self, model_dir: str, dtype: str, max_model_len: int, seed: int, options: dict[str, Any]
+    ) -> None:
+        import dataclasses
+
         from engine import EngineArgs, LLMEngine, SamplingParams, __version__
 
+        known = {f.name for f in dataclasses.fields(EngineArgs)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise WorkerError(
+                f"the engine has no option {', '.join(unknown)} (EngineArgs: {', '.join(sorted(known))})"
+            )
         self.version = __version__
         self.sampling = SamplingParams
         self.engine = LLMEngine(
-            EngineArgs(model=model_dir, dtype=dtype, max_model_len=max_model_len, seed=seed)
+            EngineArgs(model=model_dir, dtype=dtype, max_model_len=max_model_len, seed=seed, **options)
         )
 
     def add(self, request_id: str, prompt: list[int] | str, max_tokens: int) -> None:
@@ -82,7 +92,9 @@ class VllmTarget:
     """vLLM's offline `LLMEngine`, configured as the perf tier starts its server: same dtype and
     context, prefix caching off, seed 0, everything else at vLLM's defaults; token-id prompts."""
 
-    def __init__(self, model_dir: str, dtype: str, max_model_len: int, seed: int) -> None:
+    def __init__(
+        self, model_dir: str, dtype: str, max_model_len: int, seed: int, options: dict[str, Any]
+    ) -> None:
         try:
             import vllm
         except ImportError as exc:
@@ -98,8 +110,13 @@ class VllmTarget:
             "max_model_len": max_model_len,
             "enable_prefix_caching": False,
             "seed": seed,
+            **options,
         }
-        self.engine = vllm.LLMEngine.from_engine_args(vllm.EngineArgs(**self.options))
+        try:
+            engine_args = vllm.EngineArgs(**self.options)
+        except TypeError as exc:  # an option vLLM's EngineArgs does not have
+            raise WorkerError(f"vLLM refused the options {options}: {exc}") from exc
+        self.engine = vllm.LLMEngine.from_engine_args(engine_args)
         self.seen: dict[str, int] = {}  # request id -> tokens reported so far (vLLM's are cumulative)
         self.aliases: dict[str, str] = {}  # an id vLLM assigned -> ours
 
@@ -135,7 +152,10 @@ class VllmTarget:
         return {"name": "vllm", "version": self.version, "config": self.options}
 
 
-TARGETS: dict[str, Callable[[str, str, int, int], Target]] = {"engine": EngineTarget, "vllm": VllmTarget}
+TARGETS: dict[str, Callable[[str, str, int, int, dict[str, Any]], Target]] = {
+    "engine": EngineTarget,
+    "vllm": VllmTarget,
+}
 
 
 @dataclasses.dataclass
@@ -271,7 +291,11 @@ def run(config: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
     probes = load["probes"]
     started = time.perf_counter()
     target = TARGETS[config["target"]](
-        config["model_dir"], config["dtype"], config["max_model_len"], config["seed"]
+        config["model_dir"],
+        config["dtype"],
+        config["max_model_len"],
+        config["seed"],
+        config.get("options", {}),
     )
     result: dict[str, Any] = {"target": target.describe(), "load_s": time.perf_counter() - started}
     log(f"{config['target']} loaded in {result['load_s']:.1f} s")

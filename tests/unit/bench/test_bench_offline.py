@@ -366,6 +366,35 @@ def test_bench_offline_vllm_without_vllm_says_so_without_a_traceback(tiny_model_
     assert "Traceback" not in done.stderr
 
 
+def test_bench_offline_passes_target_options_to_the_engine(tiny_model_dir, tmp_path):
+    """--option NAME=VALUE reaches the engine's EngineArgs: the options in force say so, and the run obeys
+    them (one sequence at a time: the 4 requests of `all` take at least 4 x 8 steps)."""
+    out = tmp_path / "engine"
+    options = ["--option", "max_num_seqs=1", "--option", "max_num_batched_tokens=64"]
+    done = bench_offline(
+        ["--target", "engine", "--model", str(tiny_model_dir), *SMALL, *options, "--out", str(out)]
+    )
+    assert done.returncode == 0, done.stderr
+    run = json.loads((out / "run.json").read_text())
+    assert run["config"]["options"] == {"max_num_seqs": 1, "max_num_batched_tokens": 64}
+    in_force = run["worker"]["target"]["config"]
+    assert in_force["max_num_seqs"] == 1 and in_force["max_num_batched_tokens"] == 64
+    assert run["offline"]["all"]["steps"] >= 4 * 8
+
+
+def test_bench_offline_refuses_unknown_target_options(tiny_model_dir):
+    done = bench_offline(
+        ["--target", "engine", "--model", str(tiny_model_dir), *SMALL, "--option", "max_num_sequences=2"]
+    )
+    assert done.returncode == 1
+    assert "the engine has no option max_num_sequences" in done.stderr and "max_num_seqs" in done.stderr
+    assert "Traceback" not in done.stderr
+    done = bench_offline(["--target", "engine", "--model", str(tiny_model_dir), "--option", "max_num_seqs"])
+    assert done.returncode == 2 and "expected NAME=VALUE" in done.stderr
+    done = bench_offline(["--target", "engine", "--model", str(tiny_model_dir), "--option", "dtype=float16"])
+    assert done.returncode == 2 and "have their own flags" in done.stderr
+
+
 def test_bench_offline_refuses_bad_options(tiny_model_dir, tmp_path):
     done = bench_offline(["--target", "engine", "--model", str(tmp_path / "missing")])
     assert done.returncode == 2 and "not a folder" in done.stderr
