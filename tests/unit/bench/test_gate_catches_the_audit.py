@@ -101,8 +101,14 @@ def test_perf_workflow_cannot_go_green_having_checked_nothing():
     assert "origin/${BASE_REF}" in gate["run"] and "HEAD" in gate["run"]
 
 
-@pytest.mark.parametrize("lease", ["offline-2026-11-30", "offline-2026-11-30-final"])
-def test_the_offline_vllm_budgets_pass_both_leases_and_catch_a_slide_back(lease):
+# (lease, how far the engine slides back): the budgets sit 15% past the least favourable lease, so from
+# the later leases, which stand further ahead (1.82x all at once on 2026-12-01), a deeper slide is what
+# crosses them; a small one is the engine-vs-itself gate's job (bench ab).
+@pytest.mark.parametrize(
+    "lease,slide",
+    [("offline-2026-11-30", 0.7), ("offline-2026-11-30-final", 0.7), ("offline-2026-12-01", 0.55)],
+)
+def test_the_offline_vllm_budgets_pass_every_lease_and_catch_a_slide_back(lease, slide):
     engine, vllm = (load_result(STORED / lease / f"{target}-run.json") for target in ("engine", "vllm"))
     checks = check_offline(engine.offline, {"offline": vllm.offline}, BUDGETS)
     assert {(c.level, c.metric) for c in checks if not c.skipped} == {
@@ -111,9 +117,9 @@ def test_the_offline_vllm_budgets_pass_both_leases_and_catch_a_slide_back(lease)
         ("offline probes", "prefill_tok_s"),
     }
     assert not any(c.failed for c in checks)
-    # the engine sliding back 30 % on each figure fails each budget (prefill: vLLM moved 21 % between leases)
+    # the engine sliding back on each figure fails each budget (prefill: vLLM moved 21 % between leases)
     slid = {key: dict(entry) for key, entry in engine.offline.items()}
-    slid["all"]["output_tok_s"] *= 0.7
-    slid["probes"]["single_tpot_s"] /= 0.7
-    slid["probes"]["prefill_tok_s"] *= 0.7
+    slid["all"]["output_tok_s"] *= slide
+    slid["probes"]["single_tpot_s"] /= slide
+    slid["probes"]["prefill_tok_s"] *= slide
     assert all(c.failed for c in check_offline(slid, {"offline": vllm.offline}, BUDGETS) if not c.skipped)
