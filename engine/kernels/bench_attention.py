@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +18,7 @@ import triton
 from engine.kernels.ceilings import copy_bandwidth_gbs
 from engine.kernels.decode_attention import _paged_decode_attention, choose_num_splits, paged_decode_attention
 from engine.kernels.kv_cache import store_kv
+from engine.kernels.timing import graph_ms
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 12, 2, 128, 16, torch.bfloat16
 DECODE_CASES = [(1, 1024), (1, 4096), (64, 1024), (256, 1024), (256, 2048)]  # (batch, context)
@@ -29,31 +29,6 @@ BYTES_PER_GRAPH = 256 * 2**20
 MAX_COPIES = 64
 ROUNDS, REPLAYS = 7, 10
 SWEEP_TILES = [(n, w, s) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
-
-
-def time_per_call(calls: list[Callable[[], object]]) -> float:
-    """Milliseconds per call: the calls are captured in one CUDA graph (no launch overhead, as in the
-    engine's decode step), replayed REPLAYS times a round; the median of ROUNDS rounds."""
-    for call in calls:  # compile outside the capture
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(ROUNDS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(REPLAYS):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / (REPLAYS * len(calls)))
-    del graph
-    return statistics.median(times)
 
 
 def decode_setup(
@@ -109,7 +84,7 @@ def decode_case(
 
         return [call(block_tables, seq_lens) for block_tables, seq_lens in tables]
 
-    milliseconds = time_per_call(calls_for(num_splits, None))
+    milliseconds = graph_ms(calls_for(num_splits, None), ROUNDS, REPLAYS)
     gbps = moved / milliseconds / 1e6
     print(f"{batch:>6} {context:>8} {num_splits:>6} {milliseconds:>9.4f} {gbps:>8.0f} {gbps / ceiling:>8.1%}")
     result: dict = {
@@ -132,7 +107,7 @@ def sweep_decode(calls_for: Callable, num_splits: int, moved: int) -> list[dict]
     for splits in sorted({1, num_splits, min(2 * num_splits, 32)}):
         for tile in SWEEP_TILES:
             try:
-                timed.append((time_per_call(calls_for(splits, tile)), splits, tile))
+                timed.append((graph_ms(calls_for(splits, tile), ROUNDS, REPLAYS), splits, tile))
             except Exception as error:  # a tile that does not fit (shared memory, registers)
                 print(f"    splits {splits} tile {tile}: {type(error).__name__}: {str(error)[:80]}")
     timed.sort()
@@ -175,7 +150,7 @@ def store_case(num_tokens: int, device: torch.device, ceiling: float) -> dict:
         mapping = slots[copy]
         return lambda: store_kv(key, value, kv_cache[0], kv_cache[1], mapping)
 
-    milliseconds = time_per_call([call(copy) for copy in range(copies)])
+    milliseconds = graph_ms([call(copy) for copy in range(copies)], ROUNDS, REPLAYS)
     moved = 2 * kv_bytes + num_tokens * 8  # read and write K/V, read the slot mapping
     gbps = moved / milliseconds / 1e6
     print(f"{num_tokens:>8} {milliseconds:>9.4f} {gbps:>8.0f} {gbps / ceiling:>8.1%}")

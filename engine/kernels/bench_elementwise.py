@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -28,6 +27,7 @@ from engine.kernels.reference import (
     silu_and_mul_reference,
 )
 from engine.kernels.rotary import apply_rotary
+from engine.kernels.timing import eager_ms, graph_ms
 
 # qwen2.5-1.5b
 HIDDEN = 1536
@@ -37,6 +37,8 @@ MAX_POSITIONS = 32768
 EPS = 1e-6
 DTYPE = torch.bfloat16
 TOKEN_COUNTS = (1, 64, 256, 8192)
+CALLS_PER_GRAPH = 20  # the same call repeated: warm caches, as a step's small tensors are
+EAGER_REPEATS = 100
 
 
 @dataclass
@@ -51,48 +53,6 @@ class Result:
     kernel_gbps: float
     reference_gbps: float
     kernel_fraction_of_ceiling: float
-
-
-def time_in_graph(
-    fn: Callable[[], object], calls_per_graph: int = 20, replays: int = 10, trials: int = 5
-) -> float:
-    """Median microseconds a call, replaying a graph of `calls_per_graph` calls (no launch overhead)."""
-    fn()  # compiles the kernel and warms the allocator, outside the capture and the timing
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls_per_graph):
-            fn()
-    graph.replay()  # warm-up replay, not timed
-    torch.cuda.synchronize()
-    timings = []
-    for _ in range(trials):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        timings.append(start.elapsed_time(end) * 1000 / (replays * calls_per_graph))
-    del graph
-    return statistics.median(timings)
-
-
-def time_eager(fn: Callable[[], object], iterations: int = 100, trials: int = 5) -> float:
-    """Median microseconds a call launched from Python (launch overhead included)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    timings = []
-    for _ in range(trials):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iterations):
-            fn()
-        end.record()
-        end.synchronize()
-        timings.append(start.elapsed_time(end) * 1000 / iterations)
-    return statistics.median(timings)
 
 
 def cases(num_tokens: int) -> list[tuple[str, int, Callable[[], object], Callable[[], object]]]:
@@ -151,8 +111,8 @@ def run(token_counts: tuple[int, ...], ceiling: float) -> list[Result]:
     with torch.inference_mode():
         for num_tokens in token_counts:
             for op, bytes_moved, kernel, reference in cases(num_tokens):
-                kernel_graph = time_in_graph(kernel)
-                reference_graph = time_in_graph(reference)
+                kernel_graph = 1000 * graph_ms([kernel] * CALLS_PER_GRAPH)
+                reference_graph = 1000 * graph_ms([reference] * CALLS_PER_GRAPH)
                 kernel_gbps = bytes_moved / (kernel_graph * 1e-6) / 1e9
                 results.append(
                     Result(
@@ -161,8 +121,8 @@ def run(token_counts: tuple[int, ...], ceiling: float) -> list[Result]:
                         bytes_moved=bytes_moved,
                         kernel_graph_us=kernel_graph,
                         reference_graph_us=reference_graph,
-                        kernel_eager_us=time_eager(kernel),
-                        reference_eager_us=time_eager(reference),
+                        kernel_eager_us=1000 * eager_ms(kernel, EAGER_REPEATS),
+                        reference_eager_us=1000 * eager_ms(reference, EAGER_REPEATS),
                         kernel_gbps=kernel_gbps,
                         reference_gbps=bytes_moved / (reference_graph * 1e-6) / 1e9,
                         kernel_fraction_of_ceiling=kernel_gbps / ceiling,

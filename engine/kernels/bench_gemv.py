@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.activation import silu_and_mul
-from engine.kernels.bench_elementwise import time_in_graph
 from engine.kernels.ceilings import copy_bandwidth_gbs
 from engine.kernels.gemv import MAX_ROWS, GemvConfig, choose_config, gemv
+from engine.kernels.timing import graph_ms
 
 HIDDEN, INTERMEDIATE, QKV = 1536, 8960, 2048  # qwen2.5-1.5b: 12 + 2 * 2 heads of 128
 DTYPE = torch.bfloat16
@@ -96,8 +96,8 @@ def measure(operands: Operands, rows: int, config: GemvConfig | None) -> tuple[f
     with_gemv, with_cublas = operands.calls(rows, config)
     calls = len(operands.weights)
     return (
-        time_in_graph(with_gemv, calls_per_graph=calls),
-        time_in_graph(with_cublas, calls_per_graph=calls),
+        1000 * graph_ms([with_gemv] * calls),
+        1000 * graph_ms([with_cublas] * calls),
     )
 
 
@@ -142,7 +142,7 @@ def sweep(device: torch.device, rows_list: tuple[int, ...] = (1, 4)) -> dict[str
             times = []
             for rows in rows_list:
                 with_gemv, _ = operands.calls(rows, config)
-                times.append(time_in_graph(with_gemv, calls_per_graph=len(operands.weights)))
+                times.append(1000 * graph_ms([with_gemv] * len(operands.weights)))
             rows_times.append({"config": asdict(config), "us": times, "total_us": sum(times)})
         rows_times.sort(key=lambda entry: entry["total_us"])
         found[name] = rows_times

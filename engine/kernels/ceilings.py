@@ -7,32 +7,16 @@ their figures as fractions of these, so a reader sees how far each is from the l
 
 from __future__ import annotations
 
-import statistics
-
 import torch
 
-
-def _median_ms(call, repeats: int, trials: int = 5) -> float:
-    """Median over trials of the mean milliseconds of `repeats` back-to-back calls, after a warm-up."""
-    for _ in range(3):
-        call()
-    times = []
-    for _ in range(trials):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            call()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / repeats)
-    return statistics.median(times)
+from engine.kernels.timing import eager_ms
 
 
 def copy_bandwidth_gbs(device: torch.device, size_bytes: int = 2 << 30) -> float:
     """GB/s of a device-to-device copy of size_bytes, counting the bytes read and the bytes written."""
     source = torch.empty(size_bytes // 2, dtype=torch.bfloat16, device=device).normal_()
     target = torch.empty_like(source)
-    milliseconds = _median_ms(lambda: target.copy_(source), repeats=10)
+    milliseconds = eager_ms(lambda: target.copy_(source), repeats=10)
     return 2 * size_bytes / (milliseconds / 1e3) / 1e9
 
 
@@ -40,5 +24,5 @@ def matmul_tflops(device: torch.device, size: int = 8192) -> float:
     """TFLOP/s of a dense size^3 bf16 matmul on random data."""
     a = torch.randn(size, size, dtype=torch.bfloat16, device=device)
     b = torch.randn(size, size, dtype=torch.bfloat16, device=device)
-    milliseconds = _median_ms(lambda: a @ b, repeats=10)
+    milliseconds = eager_ms(lambda: a @ b, repeats=10)
     return 2 * size**3 / (milliseconds / 1e3) / 1e12

@@ -1,0 +1,58 @@
+"""How the kernel micro-benchmarks and the ceilings time GPU work: one way, shared.
+
+`graph_ms` captures a list of calls in one CUDA graph and replays it, which is how the engine's decode
+step runs its kernels (no launch overhead between them); `eager_ms` launches a call from Python
+back to back, launch overhead included. Both warm up first (compiling Triton kernels outside the
+timing) and return the median over rounds.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import torch
+
+
+def graph_ms(calls: list[Callable[[], object]], rounds: int = 7, replays: int = 10) -> float:
+    """Milliseconds per call: the calls, in order, captured in one graph, replayed `replays` times a round.
+
+    A list of calls over distinct data (more than the L2 cache holds in all) times the kernels as a step
+    sees them, reading from HBM; the same call repeated times them with warm caches."""
+    for call in calls:  # compile and warm the allocator outside the capture and the timing
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()  # warm-up replay, not timed
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / (replays * len(calls)))
+    del graph
+    return statistics.median(times)
+
+
+def eager_ms(call: Callable[[], object], repeats: int, rounds: int = 5) -> float:
+    """Milliseconds per call launched from Python, `repeats` back to back a round, after a warm-up."""
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / repeats)
+    return statistics.median(times)
