@@ -33,7 +33,13 @@ class FakeServerConfig:
     drift); each chunk carries `tokens_per_chunk` tokens. Every `fail_every`-th request (1-based
     count of arrivals; 0 = never) gets HTTP 500; every `cut_every`-th ends cleanly after half its
     tokens. `buffered` sends the whole stream in one piece at the end, like a buffering proxy.
-    `keep_alive_s`: how long an idle connection stays open (uvicorn's default, as vLLM's server)."""
+    `keep_alive_s`: how long an idle connection stays open (uvicorn's default, as vLLM's server).
+
+    The waits are asyncio sleeps, and the event loop waits on epoll in whole milliseconds, so a chunk
+    goes out up to ~1 ms late and the absolute schedule shortens the gap after it: at `itl_s` of a few
+    ms the gaps fall in two clusters ~1 ms apart, and their median can land in either. Where a test
+    compares ITL or TTFT medians against a limit of a few percent, give times of tens of ms (several
+    with several `tokens_per_chunk` to keep the tokens/s)."""
 
     ttft_s: float = 0.0
     itl_s: float = 0.0
