@@ -6,41 +6,33 @@ the slowdown pass in every CI run (scripts/test.sh's smoke)."""
 from __future__ import annotations
 
 import re
-import subprocess
-from pathlib import Path
 
 from perf_tier_process import run_perf_tier
 
-# The closed loop at 4 in flight is judged on the median of three trials (the tier's fold). One trial is
-# six requests and spreads about 7%. A busy machine only slows the slowed engine further (0.37x of the
-# reference beside a CPU burner), but while this machine ran quiet and fast, single trials of it came
-# to 0.56-0.64x, just under the 0.65 budget, and one run stayed above it. The offline case stays one
-# trial: its requests all start at once, so its batches do not hang on timing, and its figures sit
-# further past their budgets (0.42-0.53x, 1.9-3x).
-CLOSED_LOOP_TRIALS = 3
-
-
-def _slowed_tier(selection: str, trials: int, out: Path) -> subprocess.CompletedProcess[str]:
-    arguments = ["-rs", "--profile", "smoke", "--model", "tiny", "--trials", str(trials)]
-    arguments += ["--perf-out", str(out), "-k", selection]
-    run = run_perf_tier(arguments, timeout_s=400, env={"PERF_INJECT_SLOWDOWN": "2"})
-    print(*re.findall(r"^  .+ \(budget .+$", run.stdout, re.MULTILINE), sep="\n")  # the margins, for -rP
-    assert run.returncode == 1, run.stdout[-3000:]
-    return run
-
-
-def _failed(out: str) -> set[str]:
-    """The figures the tier's summary lists as past their budgets: `concurrency 4 output_tok_s:`..."""
-    return {" ".join(line.split()[:3]) for line in re.findall(r"^  (.+) FAILS$", out, re.MULTILINE)}
+# Each case is judged on the median of three trials (the tier's fold), not on one. The requests of a
+# trial batch the same way every time, but a trial lasts 10-20 s and a shared 2-core machine's speed
+# drifts over that. At quiet times, single trials of the slowed closed loop at 4 in flight came to
+# 0.51-0.61x of the stored reference in 22 of 24 trials, 0.646x in one and 0.742x, past the 0.65
+# budget, in one where the machine ran faster; single offline trials to 0.43-0.60x (budget 0.65) and
+# 1.77-3.1x per token (budget 1.6). A busy machine only slows the slowed engine further (0.37x at 4 in
+# flight beside a CPU burner).
+TRIALS = 3
 
 
 def test_a_2x_slower_engine_fails_the_smoke_budgets(tmp_path):
-    offline = _slowed_tier("offline", 1, tmp_path / "offline")
-    assert "engine steps made 2x slower" in (tmp_path / "offline" / "engine-offline.log").read_text()
-    assert {"offline all output_tok_s:", "offline probes single_tpot_s:"} <= _failed(offline.stdout), (
-        offline.stdout[-3000:]
-    )
-    closed = _slowed_tier("closed_loop and 4", CLOSED_LOOP_TRIALS, tmp_path / "closed")
-    assert "engine steps made 2x slower" in (tmp_path / "closed" / "engine-server.log").read_text()
-    assert f"{CLOSED_LOOP_TRIALS} trial(s), profile smoke" in closed.stdout, closed.stdout[-3000:]
-    assert "concurrency 4 output_tok_s:" in _failed(closed.stdout), closed.stdout[-3000:]
+    arguments = ["-rs", "--profile", "smoke", "--model", "tiny", "--trials", str(TRIALS)]
+    arguments += ["--perf-out", str(tmp_path), "-k", "offline or (closed_loop and 4)"]
+    run = run_perf_tier(arguments, timeout_s=600, env={"PERF_INJECT_SLOWDOWN": "2"})
+    out = run.stdout
+    print(*re.findall(r"^  .+ \(budget .+$", out, re.MULTILINE), sep="\n")  # the margins, for -rP
+    assert run.returncode == 1, out[-3000:]
+    assert "engine steps made 2x slower" in (tmp_path / "engine-server.log").read_text()
+    assert f"{TRIALS} trial(s), profile smoke" in out, out[-3000:]
+    failed = re.findall(r"^  (.+) FAILS$", out, re.MULTILINE)
+    # every throughput and latency figure the two cases hold falls past its budget
+    held = {" ".join(line.split()[:3]) for line in failed}
+    assert {
+        "concurrency 4 output_tok_s:",
+        "offline all output_tok_s:",
+        "offline probes single_tpot_s:",
+    } <= held, out[-3000:]
