@@ -2,8 +2,12 @@
 perf tier's budgets catch a slowdown (tests/unit/bench/test_smoke_catches_slowdown.py). Never part of
 a measurement.
 
-`python -m bench.slowdown FACTOR MODULE ARGS...` wraps `engine.LLMEngine.step` so each call sleeps
-(FACTOR − 1) x its own wall time after it, then runs MODULE as `python -m MODULE ARGS...` would.
+`python -m bench.slowdown FACTOR MODULE ARGS...` wraps `engine.LLMEngine.step` so each call is
+followed by (FACTOR − 1) x its own wall time of torch matmuls, then runs MODULE as `python -m MODULE
+ARGS...` would. The extra time is spent computing, not sleeping, because that is what a slower
+engine does on the CPU smoke's 2 cores: it keeps them from the HTTP path and the load generator,
+where a sleep would hand them over. Matmuls, like the model's own work, release the GIL and run on
+torch's intra-op threads.
 bench.launch (the server) and bench.offline (the offline worker) start the engine through it when
 PERF_INJECT_SLOWDOWN=FACTOR is set; like bench.offline_worker, it imports the engine only in that child.
 """
@@ -40,6 +44,16 @@ def wrap(command: list[str], target: str) -> list[str]:
     return [command[0], "-m", "bench.slowdown", f"{slowdown:g}", *command[2:]]
 
 
+def compute_for(seconds: float) -> None:
+    """Keep the CPU busy with torch matmuls (~0.5 ms each on 2 cores) for `seconds` of wall time."""
+    import torch
+
+    a = torch.ones(384, 384)
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        torch.mm(a, a)
+
+
 def slow_down_engine(slowdown: float) -> None:
     from engine import LLMEngine
 
@@ -48,7 +62,7 @@ def slow_down_engine(slowdown: float) -> None:
     def slow_step(self: Any) -> Any:
         started = time.perf_counter()
         outputs = step(self)
-        time.sleep((slowdown - 1) * (time.perf_counter() - started))
+        compute_for((slowdown - 1) * (time.perf_counter() - started))
         return outputs
 
     LLMEngine.step = slow_step  # type: ignore[method-assign]
