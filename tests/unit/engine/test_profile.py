@@ -7,10 +7,17 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import pytest
 from torch.autograd import DeviceType
 
 from engine import EngineArgs, LLMEngine
-from engine.profile import DEFAULT_BATCHES, bytes_per_decode_step, device_figures, main
+from engine.profile import (
+    DEFAULT_BATCHES,
+    bytes_per_decode_step,
+    device_figures,
+    main,
+    steady_step_seconds,
+)
 
 
 def test_bytes_per_decode_step_counts_weights_once_and_each_sequence_kv(tiny_model_dir):
@@ -78,3 +85,18 @@ def test_profile_cli_prints_and_writes_every_batchs_figures(tiny_model_dir, caps
         assert figures["prepare_ms"] > 0
         assert {"schedule_ms", "prepare_ms", "execute_ms", "step_ms"} <= set(figures["host_ms"])
         assert figures["top_operators"] and figures["top_operators"][0]["calls_per_step"] > 0
+
+
+def test_the_steady_step_cancels_the_pipelines_fill_and_drain():
+    # A run of n steps costs 2.6 ms a step plus 0.6 ms once (the first step prepared while the GPU
+    # waits, the last one drained): 5 steps time 2.72 ms a step, the steady step is 2.6.
+    def timed_run(n: int) -> float:
+        return 0.6e-3 + n * 2.6e-3
+
+    assert steady_step_seconds(timed_run, 5) == pytest.approx(2.6e-3)
+    assert timed_run(5) / 5 == pytest.approx(2.72e-3)
+
+
+def test_a_difference_lost_in_noise_falls_back_to_the_longer_runs_mean():
+    times = iter([0.050, 0.040])  # the longer run came out shorter: noise, not a negative step
+    assert steady_step_seconds(lambda n: next(times), 5) == pytest.approx(0.040 / 10)
