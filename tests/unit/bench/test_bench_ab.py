@@ -80,10 +80,10 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def _config(repo: Path, tmp_path: Path, new_ref: str) -> AbConfig:
+def _config(repo: Path, tmp_path: Path, new_ref: str, log: list[str] | None = None) -> AbConfig:
     return AbConfig(
         "base", new_ref, str(tmp_path), TINY, trials=3, dtype="float32", repo=str(repo),
-        work_dir=str(tmp_path / "ab"), start_timeout_s=60, log=lambda line: None,
+        work_dir=str(tmp_path / "ab"), start_timeout_s=60, log=(log if log is not None else []).append,
     )  # fmt: skip
 
 
@@ -93,7 +93,15 @@ GATED = {"output_tok_s", "ttft_p50_s", "itl_p50_s", "tpot_p50_s", "failures"}
 
 def test_a_commit_20_percent_slower_is_caught(repo, tmp_path):
     started = time.monotonic()
-    result = run_ab(_config(repo, tmp_path, "slower"))
+    log: list[str] = []
+    result = run_ab(_config(repo, tmp_path, "slower", log))
+    # interleaved base, new, base, new..., each trial with a server of its own (its own log)
+    sides = [line.split(" of ")[1].split()[0] for line in log if line.startswith("bench ab: trial")]
+    assert sides == ["base", "new"] * 3, log
+    for side in ("base", "new"):
+        logs = sorted(path.name for path in (tmp_path / "ab").glob(f"{side}-server-*.log"))
+        assert logs == [f"{side}-server-{n}.log" for n in (1, 2, 3)]
+        assert all((tmp_path / "ab" / name).stat().st_size > 0 for name in logs)
     comparison = result.comparison
     regressed = {row.metric for row in comparison.regressions if row.level == "concurrency 8"}
     assert regressed == GATED - {"failures"}, comparison.table()

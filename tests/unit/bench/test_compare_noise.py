@@ -70,6 +70,13 @@ def test_a_noisy_new_run_cannot_excuse_a_drop():
     assert decide(figure([900, 899, 901]), figure([900, 600, 610]), "higher", 3.0) == REGRESSION
 
 
+def test_the_new_runs_spread_never_widens_the_band():
+    # A 10 % drop whose new trials reach 22 % below their median: a band of max(base, new) spread or
+    # their sum would call it noise. The base's 1 % spread alone decides.
+    assert decide(figure(TIGHT), figure([90.0, 70.0, 91.0]), "higher", 3.0) == REGRESSION
+    assert decide(figure([0.100, 0.099, 0.101]), figure([0.110, 0.140, 0.109]), "lower", 5.0) == REGRESSION
+
+
 def test_a_5_percent_loss_with_1_percent_spreads_is_a_regression():
     assert decide(figure(TIGHT), figure(scaled(TIGHT, 0.95)), "higher", 3.0) == REGRESSION
     assert decide(figure(TIGHT), figure(scaled(WIDE, 0.95)), "higher", 3.0) == REGRESSION  # new noise

@@ -64,7 +64,9 @@ def test_the_report_draws_the_reference_and_a_failed_run_is_not_stored(fake_url,
         assert "not stored: 1 budget check(s) failed" in run.stdout
         assert not stored.exists()
         report = (tmp_path / "out" / "report.html").read_text()
-        assert "reference: engine (2026-01-01)" in report
+        # the reference's own rows (the targets table and the closed loop's), its figure among them
+        rows = [r for r in report.split("<tr") if "reference: engine (2026-01-01)</td>" in r]
+        assert any("<td>10,000,000</td>" in r for r in rows), rows
     finally:
         if stored.exists():
             for file in stored.iterdir():
