@@ -27,6 +27,8 @@ from bench.ab import AbConfig, AbError, run_ab
 from bench.client import Endpoint
 from bench.compare import DEFAULT_MAX_DROP, EXIT_BAD_INPUT, compare_results, parse_max_drop
 from bench.fidelity import DEFAULT_TOLERANCE_PCT, Run, describe, summarize_runs
+from bench.host_cost import add_arguments as add_host_cost_arguments
+from bench.host_cost import run as run_host_cost
 from bench.launch import MAX_MODEL_LEN, ServerProcess, ServerSpec
 from bench.metrics import parse_slo
 from bench.offline import (
@@ -294,6 +296,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     offline.add_argument("--out", help="run folder (default bench-out/offline-TARGET-TIME)")
 
+    host_cost = commands.add_parser(
+        "host-cost",
+        help="the server's host CPU per streamed token, the model replaced by a constant token (no GPU)",
+        description="Starts this project's server on CPU with each step's tokens a constant instead of the "
+        "model's, keeps --concurrency streams going with bench's client, and reports the server process's "
+        "CPU time per streamed token and the output tokens/s it sustained (bench/host_cost.py).",
+    )
+    add_host_cost_arguments(host_cost)
+
     fidelity = commands.add_parser(
         "fidelity-summary",
         help="fold alternating runs of bench and `vllm bench serve` into one JSON; exit 1 when they differ",
@@ -528,6 +539,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return command_offline(args, parser)
     if args.command == "fidelity-summary":
         return command_fidelity(args, parser)
+    if args.command == "host-cost":
+        return run_host_cost(args)
     if args.command == "report":
         print(f"wrote {write_report(args.results, args.out)}")
         return 0

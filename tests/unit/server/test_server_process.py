@@ -1,5 +1,5 @@
 """`python -m server` as a real subprocess on 127.0.0.1: the CLI flags reach the engine, the ready
-line names the port, and SIGTERM drains (the in-flight request finishes, a new one gets 503, exit 0)
+line names the port and the HTTP stack (httptools and uvloop, which the server extra installs), and SIGTERM drains (the in-flight request finishes, a new one gets 503, exit 0)
 or, past --shutdown-timeout, aborts what is left and still exits 0.
 """
 
@@ -30,6 +30,7 @@ def test_sigterm_drains_in_flight_and_refuses_new(start_server) -> None:
         config = client.get("/version").json()["config"]
         assert (config["max_model_len"], config["num_kv_blocks"], config["block_size"]) == (512, 64, 16)
         assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
+        assert "HTTP httptools, event loop uvloop" in server.log_path.read_text()
 
         response, lines = stream_lines(
             client, {"prompt": [1, 2, 3], "max_tokens": 300, "ignore_eos": True, "stream": True}

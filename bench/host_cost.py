@@ -1,0 +1,209 @@
+"""`python -m bench host-cost --model DIR`: the host CPU that one streamed token costs in this project's
+server, with the model taken out.
+
+The server runs as `python -m server` does (its app on uvicorn, the engine loop thread, scheduling,
+step preparation, detokenization, SSE), except that each step's sampled tokens are one constant token
+id instead of the model's: what is left is the host's work per token. bench's client keeps
+`--concurrency` streams of `--output-len` tokens going from another process, as in a closed-loop
+level; the figure is the server process's CPU time (user + system, from /proc) over the tokens it
+streamed, with the output tokens/s it sustained and the HTTP parser and event loop it ran on.
+
+Why it matters: on a GPU the model's step and this host work overlap, but the host work of a step
+(this figure x the sequences in it) shares one GIL between the engine loop and the event loop; once
+it outlasts the GPU's step (`engine.profile`), the server is host-bound. It needs no GPU, so a change
+to the serving path can be measured on any machine, and CPUs compared as they are.
+
+The child (`--serve`) imports the engine and the server; the parent, like the rest of bench, only
+talks HTTP to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.client import Endpoint
+from bench.launch import free_port
+from bench.machine import describe_machine
+from bench.runner import LoadConfig, run_closed_loop
+from bench.workload import WorkloadSpec
+
+CONSTANT_TOKEN = 1234  # in every vocabulary this project serves, and not an end-of-sequence token
+READY_LINE = "ready: serving"
+
+
+@dataclass(frozen=True)
+class HostCostConfig:
+    model: str
+    concurrency: int = 64
+    requests: int = 512  # measured, after a warm-up of `concurrency` requests
+    input_len: int = 128
+    output_len: int = 256
+    max_num_seqs: int = 256
+    start_timeout_s: float = 120.0
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc), in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def serve(model: str, port: int, max_num_seqs: int, max_model_len: int) -> None:
+    """The child: the server on CPU with the model's forward pass replaced by a constant token."""
+    import torch
+
+    from engine.runner import ModelRunner, PendingTokens
+    from server.cli import main as server_main
+
+    def launch(self: ModelRunner, batch: Any) -> PendingTokens:
+        # What ModelRunner.launch keeps for the next step's preparation; no forward pass, no sampling.
+        self._last_sample_index = self._next_sample_index
+        if not batch.params:
+            self._last_tokens = None
+            return PendingTokens(None, None, [])
+        tokens = torch.full((batch.num_sampled,), CONSTANT_TOKEN, dtype=torch.int64)
+        self._last_tokens = tokens
+        return PendingTokens(tokens, None, batch.sample_order)
+
+    ModelRunner.launch = launch  # type: ignore[method-assign]
+    blocks = max_num_seqs * -(-max_model_len // 16)
+    argv = ["--model", model, "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
+    argv += ["--dtype", "float32", "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len)]
+    argv += ["--block-size", "16", "--num-kv-blocks", str(blocks), "--disable-uvicorn-access-log"]
+    raise SystemExit(server_main(argv))
+
+
+def measure(config: HostCostConfig, log_path: Path) -> dict[str, Any]:
+    """Start the child, warm it up, measure one closed loop; the child is stopped whatever happens."""
+    port = free_port()
+    max_model_len = config.input_len + config.output_len + 16
+    command = [sys.executable, "-m", "bench.host_cost", "--serve", "--model", config.model]
+    command += ["--port", str(port), "--max-num-seqs", str(config.max_num_seqs)]
+    command += ["--max-model-len", str(max_model_len)]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            endpoint = Endpoint(
+                f"http://127.0.0.1:{port}/v1", model=_wait_ready(child, port, config, log_path)
+            )
+            workload = WorkloadSpec(kind="fixed", input_len=config.input_len, output_len=config.output_len)
+            warm = LoadConfig(n_requests=config.concurrency, progress=False)
+            run_closed_loop(endpoint, workload, config.concurrency, warm)
+            before, start = process_cpu_seconds(child.pid), time.perf_counter()
+            level = run_closed_loop(
+                endpoint, workload, config.concurrency, LoadConfig(n_requests=config.requests, progress=False)
+            )
+            cpu_s, wall_s = process_cpu_seconds(child.pid) - before, time.perf_counter() - start
+        finally:
+            child.terminate()
+            try:
+                child.wait(30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+    rows = [row for row in level.rows if not row.warmup]
+    tokens = sum(row.output_tokens for row in rows if row.ok)
+    stack = _stack(log_path.read_text())
+    return {
+        "kind": "host-cost",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "config": asdict(config),
+        "machine": describe_machine(),
+        "http": stack[0],
+        "event_loop": stack[1],
+        "completed": sum(row.ok for row in rows),
+        "failures": sum(not row.ok for row in rows),
+        "output_tokens": tokens,
+        "wall_s": wall_s,
+        "server_cpu_s": cpu_s,
+        "server_cpu_us_per_token": cpu_s / tokens * 1e6 if tokens else None,
+        "server_cpu_util": cpu_s / wall_s,
+        "output_tok_s": tokens / wall_s,
+    }
+
+
+def _wait_ready(child: subprocess.Popen[bytes], port: int, config: HostCostConfig, log_path: Path) -> str:
+    """The served model name, once /v1/models answers."""
+    deadline = time.monotonic() + config.start_timeout_s
+    while time.monotonic() < deadline:
+        if child.poll() is not None:
+            raise RuntimeError(f"the server exited with {child.returncode}: {log_path.read_text()[-2000:]}")
+        try:
+            models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).json()
+            return str(models["data"][0]["id"])
+        except (httpx.HTTPError, KeyError, ValueError):
+            time.sleep(0.2)
+    raise TimeoutError(f"the server did not answer within {config.start_timeout_s:.0f} s (log: {log_path})")
+
+
+def _stack(log: str) -> tuple[str, str]:
+    """(HTTP parser, event loop) from the server's ready line."""
+    for line in log.splitlines():
+        if READY_LINE in line and "; HTTP " in line:
+            http, loop = line.split("; HTTP ", 1)[1].rstrip(")").split(", event loop ")
+            return http, loop
+    return "unknown", "unknown"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = HostCostConfig(model="")
+    parser.add_argument("--model", required=True, help="model folder (its tokenizer and config are used)")
+    parser.add_argument("--concurrency", type=int, default=defaults.concurrency, help="streams in flight")
+    parser.add_argument("--requests", type=int, default=defaults.requests, help="requests measured")
+    parser.add_argument("--input-len", type=int, default=defaults.input_len, help="prompt tokens")
+    parser.add_argument("--output-len", type=int, default=defaults.output_len, help="tokens streamed each")
+    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    parser.add_argument("--out", help="write the figures here (JSON); the server log goes beside it")
+
+
+def run(args: argparse.Namespace) -> int:
+    config = HostCostConfig(
+        model=args.model,
+        concurrency=args.concurrency,
+        requests=args.requests,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        max_num_seqs=args.max_num_seqs,
+    )
+    out = Path(args.out) if args.out else None
+    log_path = out.with_suffix(".log") if out else Path("bench-out") / "host-cost-server.log"
+    figures = measure(config, log_path)
+    print(
+        f"host cost: {figures['server_cpu_us_per_token']:.1f} us of server CPU a streamed token, "
+        f"{figures['output_tok_s']:,.0f} output tok/s at {config.concurrency} streams "
+        f"(server CPU {figures['server_cpu_util']:.0%}; HTTP {figures['http']}, event loop "
+        f"{figures['event_loop']}; {figures['completed']} requests, {figures['failures']} failed)"
+    )
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(figures, indent=2) + "\n")
+        print(f"wrote {out}")
+    return 0 if figures["failures"] == 0 else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.host_cost", description=__doc__)
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--max-model-len", type=int, help=argparse.SUPPRESS)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.serve:
+        serve(args.model, args.port, args.max_num_seqs, args.max_model_len)
+    return run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,38 @@
+"""`bench host-cost`: this project's server with the model replaced by a constant token, measured
+through bench's client: every request streams all its tokens, and the server's CPU per token and the
+HTTP stack it ran on are reported."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from bench.__main__ import main
+from bench.host_cost import CONSTANT_TOKEN, process_cpu_seconds
+
+
+def test_host_cost_streams_every_token_and_reports_the_servers_cpu(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "host-cost.json"
+    argv = ["host-cost", "--model", str(tiny_model_dir), "--concurrency", "4", "--requests", "8"]
+    assert main([*argv, "--input-len", "16", "--output-len", "24", "--out", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert (figures["completed"], figures["failures"], figures["output_tokens"]) == (8, 0, 8 * 24)
+    assert figures["server_cpu_s"] > 0 and figures["wall_s"] > 0
+    assert figures["server_cpu_us_per_token"] == figures["server_cpu_s"] / (8 * 24) * 1e6
+    assert (figures["http"], figures["event_loop"]) == ("httptools", "uvloop")
+    assert figures["config"]["concurrency"] == 4 and figures["machine"]["cpu_count"] == os.cpu_count()
+    printed = capsys.readouterr().out
+    assert "us of server CPU a streamed token" in printed and "HTTP httptools" in printed
+    # the server's log is kept beside the figures
+    assert "ready: serving" in out.with_suffix(".log").read_text()
+
+
+def test_the_constant_token_is_an_ordinary_token_of_the_tiny_vocabulary(tiny_model_dir):
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    assert config["vocab_size"] > CONSTANT_TOKEN and config["eos_token_id"] != CONSTANT_TOKEN
+
+
+def test_process_cpu_seconds_reads_this_process():
+    start = process_cpu_seconds(os.getpid())
+    sum(i * i for i in range(300_000))
+    assert process_cpu_seconds(os.getpid()) > start
