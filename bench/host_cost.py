@@ -13,8 +13,10 @@ Why it matters: on a GPU the model's step and this host work overlap, but the ho
 it outlasts the GPU's step (`engine.profile`), the server is host-bound. It needs no GPU, so a change
 to the serving path can be measured on any machine, and CPUs compared as they are.
 
-The child (`--serve`) imports the engine and the server; the parent, like the rest of bench, only
-talks HTTP to it.
+It also runs the engine's steps alone with the same constant token (the same closed loop, no
+server): the engine's host work per token, by step phase, so the server's figure can be split into
+the engine's share and the HTTP side's. The children (`--serve`, `--engine-only`) import the engine
+and the server; the parent, like the rest of bench, only talks HTTP and reads their output.
 """
 
 from __future__ import annotations
@@ -59,12 +61,11 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def serve(model: str, port: int, max_num_seqs: int, max_model_len: int) -> None:
-    """The child: the server on CPU with the model's forward pass replaced by a constant token."""
+def replace_the_model_with_a_constant_token() -> None:
+    """In this process, every step's sampled tokens are CONSTANT_TOKEN, with no forward pass."""
     import torch
 
     from engine.runner import ModelRunner, PendingTokens
-    from server.cli import main as server_main
 
     def launch(self: ModelRunner, batch: Any) -> PendingTokens:
         # What ModelRunner.launch keeps for the next step's preparation; no forward pass, no sampling.
@@ -77,11 +78,64 @@ def serve(model: str, port: int, max_num_seqs: int, max_model_len: int) -> None:
         return PendingTokens(tokens, None, batch.sample_order)
 
     ModelRunner.launch = launch  # type: ignore[method-assign]
+
+
+def serve(model: str, port: int, max_num_seqs: int, max_model_len: int) -> None:
+    """The child: the server on CPU with the model's forward pass replaced by a constant token."""
+    from server.cli import main as server_main
+
+    replace_the_model_with_a_constant_token()
     blocks = max_num_seqs * -(-max_model_len // 16)
     argv = ["--model", model, "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
     argv += ["--dtype", "float32", "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len)]
     argv += ["--block-size", "16", "--num-kv-blocks", str(blocks), "--disable-uvicorn-access-log"]
     raise SystemExit(server_main(argv))
+
+
+def engine_only(config: HostCostConfig) -> dict[str, float]:
+    """The engine's steps alone, in the child: `concurrency` sequences kept running (a new request as
+    one finishes, as the closed loop does), `requests` of them measured after as many warm-up ones;
+    the host's microseconds per generated token, in all and by step phase (engine.timer)."""
+    from engine import EngineArgs, LLMEngine, SamplingParams
+
+    replace_the_model_with_a_constant_token()
+    max_model_len = config.input_len + config.output_len + 16
+    engine = LLMEngine(
+        EngineArgs(
+            model=config.model,
+            device="cpu",
+            dtype="float32",
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=max_model_len,
+            block_size=16,
+            num_kv_blocks=config.max_num_seqs * -(-max_model_len // 16),
+        )
+    )
+    params = SamplingParams(max_tokens=config.output_len, temperature=0.0, ignore_eos=True)
+    prompt = [1000 + i % 29000 for i in range(config.input_len)]
+
+    def closed_loop(count: int, tag: str) -> tuple[float, int]:
+        sent = finished = tokens = 0
+        start = time.perf_counter()
+        while finished < count:
+            while sent < count and sent - finished < config.concurrency:
+                engine.add_request(f"{tag}-{sent}", prompt, params)
+                sent += 1
+            for output in engine.step():
+                tokens += len(output.new_token_ids)
+                finished += output.finished
+        return time.perf_counter() - start, tokens
+
+    closed_loop(config.concurrency, "warm-up")
+    engine.timer.reset()
+    wall_s, tokens = closed_loop(config.requests, "measured")
+    per_step = engine.timer.summary()
+    steps = per_step["num_steps"]
+    figures = {"engine_us_per_token": wall_s / tokens * 1e6, "engine_output_tokens": float(tokens)}
+    for key, value in per_step.items():
+        if key.endswith("_ms") and key != "step_ms":
+            figures[f"engine_{key.removesuffix('_ms')}_us_per_token"] = value * 1e3 * steps / tokens
+    return figures
 
 
 def measure(config: HostCostConfig, log_path: Path) -> dict[str, Any]:
@@ -168,8 +222,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", help="write the figures here (JSON); the server log goes beside it")
 
 
-def run(args: argparse.Namespace) -> int:
-    config = HostCostConfig(
+def measure_engine_only(config: HostCostConfig) -> dict[str, float]:
+    """engine_only in a child process (bench itself does not import the engine)."""
+    command = [sys.executable, "-m", "bench.host_cost", "--engine-only", "--model", config.model]
+    command += ["--concurrency", str(config.concurrency), "--requests", str(config.requests)]
+    command += ["--input-len", str(config.input_len), "--output-len", str(config.output_len)]
+    command += ["--max-num-seqs", str(config.max_num_seqs)]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"the engine-only run failed ({done.returncode}): {done.stderr[-2000:]}")
+    figures: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    return figures
+
+
+def _config(args: argparse.Namespace) -> HostCostConfig:
+    return HostCostConfig(
         model=args.model,
         concurrency=args.concurrency,
         requests=args.requests,
@@ -177,14 +244,24 @@ def run(args: argparse.Namespace) -> int:
         output_len=args.output_len,
         max_num_seqs=args.max_num_seqs,
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    config = _config(args)
     out = Path(args.out) if args.out else None
     log_path = out.with_suffix(".log") if out else Path("bench-out") / "host-cost-server.log"
     figures = measure(config, log_path)
+    figures.update(measure_engine_only(config))
+    phases = ", ".join(
+        f"{phase} {figures[f'engine_{phase}_us_per_token']:.2f}"
+        for phase in ("schedule", "prepare", "execute", "update", "outputs")
+    )
     print(
         f"host cost: {figures['server_cpu_us_per_token']:.1f} us of server CPU a streamed token, "
         f"{figures['output_tok_s']:,.0f} output tok/s at {config.concurrency} streams "
         f"(server CPU {figures['server_cpu_util']:.0%}; HTTP {figures['http']}, event loop "
-        f"{figures['event_loop']}; {figures['completed']} requests, {figures['failures']} failed)"
+        f"{figures['event_loop']}; {figures['completed']} requests, {figures['failures']} failed)\n"
+        f"engine alone: {figures['engine_us_per_token']:.2f} us a token ({phases})"
     )
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -198,10 +275,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--max-model-len", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--engine-only", action="store_true", help=argparse.SUPPRESS)
     add_arguments(parser)
     args = parser.parse_args(argv)
     if args.serve:
         serve(args.model, args.port, args.max_num_seqs, args.max_model_len)
+    if args.engine_only:
+        print(json.dumps(engine_only(_config(args))))
+        return 0
     return run(args)
 
 

@@ -1,6 +1,6 @@
 """`bench host-cost`: this project's server with the model replaced by a constant token, measured
 through bench's client: every request streams all its tokens, and the server's CPU per token and the
-HTTP stack it ran on are reported."""
+HTTP stack it ran on are reported, beside the engine's own host work per token (no server)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,16 @@ def test_host_cost_streams_every_token_and_reports_the_servers_cpu(tiny_model_di
     assert figures["server_cpu_us_per_token"] == figures["server_cpu_s"] / (8 * 24) * 1e6
     assert (figures["http"], figures["event_loop"]) == ("httptools", "uvloop")
     assert figures["config"]["concurrency"] == 4 and figures["machine"]["cpu_count"] == os.cpu_count()
+    # the engine's steps alone, the same closed loop without the server: every token, split by phase
+    assert figures["engine_output_tokens"] == 8 * 24
+    phases = [
+        f"engine_{name}_us_per_token" for name in ("schedule", "prepare", "execute", "update", "outputs")
+    ]
+    assert all(figures[key] > 0 for key in phases)
+    assert sum(figures[key] for key in phases) <= figures["engine_us_per_token"]
     printed = capsys.readouterr().out
     assert "us of server CPU a streamed token" in printed and "HTTP httptools" in printed
+    assert "engine alone:" in printed
     # the server's log is kept beside the figures
     assert "ready: serving" in out.with_suffix(".log").read_text()
 
