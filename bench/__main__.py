@@ -159,10 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("base")
     compare.add_argument("new")
     default_drop = ",".join(f"{k}={v:g}%" for k, v in DEFAULT_MAX_DROP.items())
+    shown_drop = default_drop.replace("%", "%%")  # argparse formats help strings with %
     compare.add_argument(
         "--max-drop",
         default=default_drop,
-        help=f"allowed worsening per metric (default {default_drop}); a row regresses when its "
+        help=f"allowed worsening per metric (default {shown_drop}); a row regresses when its "
         "worsening is past its limit and past the base's own trial spread (the new run's spread never "
         "excuses it); exit 1 on a regression, 4 when a row is unreliable (rerun), 3 when nothing with a "
         "limit was compared, 2 for bad input",
@@ -193,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     ab.add_argument("--repo", default=".", help="the git repository holding both refs")
     ab.add_argument("--work", default="perf-out/ab", help="worktrees, server logs and each side's summary")
     ab.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each server's /health")
-    ab.add_argument("--max-drop", default=default_drop, help=f"as for compare (default {default_drop})")
+    ab.add_argument("--max-drop", default=default_drop, help=f"as for compare (default {shown_drop})")
     ab.add_argument("--format", choices=["text", "markdown"], default="text")
 
     merge = commands.add_parser("merge", help="fold single-trial perf summaries of one target into one")

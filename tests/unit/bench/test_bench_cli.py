@@ -1,5 +1,6 @@
 """`python -m bench run|report|compare` end to end, and compare's reading of both result formats."""
 
+import argparse
 import copy
 import csv
 import json
@@ -8,7 +9,7 @@ import sys
 
 import pytest
 
-from bench.__main__ import main
+from bench.__main__ import build_parser, main
 from bench.compare import compare_results, parse_max_drop
 from bench.fake_server import FakeServerConfig, FakeServerProcess
 from bench.metrics import LOWER_IS_BETTER
@@ -205,6 +206,20 @@ def test_cli_help_and_usage_errors():
     with pytest.raises(SystemExit) as exit_info:
         main(["compare", "a", "b", "--max-drop", "served_req_s=0.05"])
     assert exit_info.value.code == 2
+
+
+def test_every_subcommand_has_working_help(capsys):
+    # a help text with a bare % made argparse fail on `compare --help` and `ab --help`
+    (commands,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    assert {"compare", "ab", "offline", "host-cost"} <= set(commands.choices)
+    for subcommand in commands.choices:
+        with pytest.raises(SystemExit) as exit_info:
+            main([subcommand, "--help"])
+        assert exit_info.value.code == 0, subcommand
+        assert f"python -m bench {subcommand}" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["compare", "--help"])
+    assert "capacity_req_s=5%" in capsys.readouterr().out.replace("\n", "").replace(" ", "")
 
 
 def test_sweep_flags_reach_the_sweep(monkeypatch):
