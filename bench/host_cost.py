@@ -180,6 +180,7 @@ def measure(config: HostCostConfig, log_path: Path) -> dict[str, Any]:
         "completed": sum(row.ok for row in rows),
         "failures": sum(not row.ok for row in rows),
         "output_tokens": tokens,
+        "chunks": sum(row.chunks for row in rows if row.ok),
         "wall_s": wall_s,
         "server_cpu_s": cpu_s,
         "server_cpu_us_per_token": cpu_s / tokens * 1e6 if tokens else None,
@@ -260,7 +261,8 @@ def run(args: argparse.Namespace) -> int:
         f"host cost: {figures['server_cpu_us_per_token']:.1f} us of server CPU a streamed token, "
         f"{figures['output_tok_s']:,.0f} output tok/s at {config.concurrency} streams "
         f"(server CPU {figures['server_cpu_util']:.0%}; HTTP {figures['http']}, event loop "
-        f"{figures['event_loop']}; {figures['completed']} requests, {figures['failures']} failed)\n"
+        f"{figures['event_loop']}; {figures['output_tokens'] / max(figures['chunks'], 1):.2f} tokens a chunk; "
+        f"{figures['completed']} requests, {figures['failures']} failed)\n"
         f"engine alone: {figures['engine_us_per_token']:.2f} us a token ({phases})"
     )
     if out:

@@ -53,6 +53,22 @@ class RequestOutput:
         """All tokens generated so far."""
         return self._output_ref[: self._num_output_tokens]
 
+    def followed_by(self, later: RequestOutput) -> RequestOutput:
+        """This output and a later one of the same request as one: both deltas, the later totals."""
+        if later.request_id != self.request_id:
+            raise ValueError(f"outputs of {self.request_id} and {later.request_id} are not one request's")
+        return RequestOutput(
+            request_id=later.request_id,
+            prompt_token_ids=later.prompt_token_ids,
+            new_token_ids=self.new_token_ids + later.new_token_ids,
+            text=later.text,
+            new_text=self.new_text + later.new_text,
+            finished=later.finished,
+            finish_reason=later.finish_reason,
+            _output_ref=later._output_ref,
+            _num_output_tokens=later._num_output_tokens,
+        )
+
 
 @dataclass(frozen=True)
 class EngineStats:

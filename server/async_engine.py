@@ -13,6 +13,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -88,12 +89,17 @@ class RequestStream:
 
     Iterate it for (index, RequestOutput) pairs until every request has finished; an engine failure is
     raised from the iteration. `abort` (idempotent) ends whatever is still running.
+
+    An output that arrives while the previous one of the same request is still unread joins it (both
+    deltas, the later totals), as vLLM's output collector does: a server that falls behind the engine
+    sends fewer, larger chunks instead of falling further behind.
     """
 
     def __init__(self, owner: AsyncEngine, request_ids: list[str]) -> None:
         self.request_ids = request_ids
         self._owner = owner
-        self._queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
+        self._items: deque[tuple[int, RequestOutput | Exception]] = deque()
+        self._ready = asyncio.Event()
         self._unfinished = set(range(len(request_ids)))
 
     @property
@@ -102,7 +108,16 @@ class RequestStream:
 
     def _put(self, index: int, item: RequestOutput | Exception) -> bool:
         """Called on the event loop; True when this was index's final item."""
-        self._queue.put_nowait((index, item))
+        items = self._items
+        if items and isinstance(item, RequestOutput):
+            last_index, last = items[-1]
+            if last_index == index and isinstance(last, RequestOutput) and not last.finished:
+                items[-1] = (index, last.followed_by(item))
+            else:
+                items.append((index, item))
+        else:
+            items.append((index, item))
+        self._ready.set()
         if isinstance(item, Exception) or item.finished:
             self._unfinished.discard(index)
             return True
@@ -110,8 +125,12 @@ class RequestStream:
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         remaining = len(self.request_ids)
+        items = self._items
         while remaining:
-            index, item = await self._queue.get()
+            while not items:
+                self._ready.clear()
+                await self._ready.wait()
+            index, item = items.popleft()
             if isinstance(item, Exception):
                 raise item
             if item.finished:

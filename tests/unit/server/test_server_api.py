@@ -83,9 +83,10 @@ async def test_streaming_completion_events(api: httpx.AsyncClient) -> None:
     events = sse_payloads(response.text)
     assert events[-1] == "[DONE]"
     chunks, usage_chunk = events[:-2], events[-2]
-    assert len(chunks) == 5  # one event per engine step: one token each
+    # one event per engine step, one token each; steps the event loop had not sent yet go out as one
+    assert 1 <= len(chunks) <= 5
     assert all(c["object"] == "text_completion" and c["choices"][0]["index"] == 0 for c in chunks)
-    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 4 + ["length"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
     assert usage_chunk["choices"] == [] and usage_chunk["usage"] == {
         "prompt_tokens": 4,
         "completion_tokens": 5,
@@ -134,9 +135,9 @@ async def test_chat_streaming_deltas(api: httpx.AsyncClient) -> None:
     assert events[-1] == "[DONE]"
     assert all(e["object"] == "chat.completion.chunk" for e in events[:-1])
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    content = events[1:-2]
-    assert len(content) == 3 and all("content" in e["choices"][0]["delta"] for e in content)
-    assert [e["choices"][0]["finish_reason"] for e in content] == [None, None, "length"]
+    content = events[1:-2]  # a delta per step; steps the event loop had not sent yet go out as one
+    assert 1 <= len(content) <= 3 and all("content" in e["choices"][0]["delta"] for e in content)
+    assert [e["choices"][0]["finish_reason"] for e in content] == [None] * (len(content) - 1) + ["length"]
     assert events[-2]["usage"]["completion_tokens"] == 3
 
 

@@ -62,6 +62,7 @@ async def one_overload_request(url: str, index: int, rng: random.Random) -> tupl
         "ignore_eos": True,
         "temperature": 1.0,
         "stream": stream,
+        **({"stream_options": {"include_usage": True}} if stream else {}),
     }
     start = time.monotonic()
     connection = await Connection.post(url, COMPLETIONS, body)
@@ -78,7 +79,10 @@ def generated_tokens(answer: Answer) -> int:
         assert answer.events[-1] == "[DONE]"
         finals = [e for e in answer.events[:-1] if e["choices"] and e["choices"][0]["finish_reason"]]
         assert len(finals) == 1 and finals[0]["choices"][0]["finish_reason"] == "length", answer.events[-3:]
-        return len(answer.events) - 1  # one event per token: the tiny model's tokens decode alone
+        # an event per step, or fewer carrying several tokens when the server fell behind: count usage's
+        usage = answer.events[-2]
+        assert usage["choices"] == [] and len(answer.events) - 2 <= usage["usage"]["completion_tokens"]
+        return int(usage["usage"]["completion_tokens"])
     body = json.loads(answer.body)
     assert body["choices"][0]["finish_reason"] == "length"
     return int(body["usage"]["completion_tokens"])
