@@ -13,16 +13,18 @@ from bench.host_cost import CONSTANT_TOKEN, process_cpu_seconds
 
 def test_host_cost_streams_every_token_and_reports_the_servers_cpu(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "host-cost.json"
-    argv = ["host-cost", "--model", str(tiny_model_dir), "--concurrency", "4", "--requests", "8"]
-    assert main([*argv, "--input-len", "16", "--output-len", "24", "--out", str(out)]) == 0
+    # 1,024 tokens: ~25 ms of server CPU, a few of /proc's 10-ms ticks
+    argv = ["host-cost", "--model", str(tiny_model_dir), "--concurrency", "4", "--requests", "16"]
+    assert main([*argv, "--input-len", "16", "--output-len", "64", "--out", str(out)]) == 0
     figures = json.loads(out.read_text())
-    assert (figures["completed"], figures["failures"], figures["output_tokens"]) == (8, 0, 8 * 24)
+    assert (figures["completed"], figures["failures"], figures["output_tokens"]) == (16, 0, 16 * 64)
     assert figures["server_cpu_s"] > 0 and figures["wall_s"] > 0
-    assert figures["server_cpu_us_per_token"] == figures["server_cpu_s"] / (8 * 24) * 1e6
+    assert figures["server_cpu_us_per_token"] == figures["server_cpu_s"] / (16 * 64) * 1e6
+    assert 1 <= figures["output_tokens"] / figures["chunks"] <= 64
     assert (figures["http"], figures["event_loop"]) == ("httptools", "uvloop")
     assert figures["config"]["concurrency"] == 4 and figures["machine"]["cpu_count"] == os.cpu_count()
     # the engine's steps alone, the same closed loop without the server: every token, split by phase
-    assert figures["engine_output_tokens"] == 8 * 24
+    assert figures["engine_output_tokens"] == 16 * 64
     phases = [
         f"engine_{name}_us_per_token" for name in ("schedule", "prepare", "execute", "update", "outputs")
     ]
