@@ -60,7 +60,7 @@ def http_stack() -> tuple[str, str]:
 
     Each streamed token is an SSE event the event loop writes, on the thread that shares the GIL with
     the engine loop; with httptools and uvloop the server spent 22.7 us of CPU a token instead of
-    29-30 on h11 and asyncio (`python -m server.host_cost`, 64 streams, 2-core machine).
+    29-30 on h11 and asyncio (`python -m bench host-cost`, 64 streams, 2-core machine).
     """
     http = "httptools" if importlib.util.find_spec("httptools") else "h11"
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
