@@ -55,9 +55,12 @@ class HostCostConfig:
     start_timeout_s: float = 120.0
 
 
+PROC = Path("/proc")  # where process CPU times are read: Linux only
+
+
 def process_cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process (Linux /proc), in seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    fields = (PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -248,6 +251,9 @@ def _config(args: argparse.Namespace) -> HostCostConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not (PROC / "self" / "stat").is_file():
+        print(f"bench host-cost: reads process CPU times from {PROC}, which this system lacks (Linux only)")
+        return 2
     config = _config(args)
     out = Path(args.out) if args.out else None
     log_path = out.with_suffix(".log") if out else Path("bench-out") / "host-cost-server.log"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 
+import bench.host_cost
 from bench.__main__ import main
 from bench.host_cost import CONSTANT_TOKEN, process_cpu_seconds
 
@@ -46,3 +47,9 @@ def test_process_cpu_seconds_reads_this_process():
     start = process_cpu_seconds(os.getpid())
     sum(i * i for i in range(300_000))
     assert process_cpu_seconds(os.getpid()) > start
+
+
+def test_without_proc_it_says_so_and_exits_2(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench.host_cost, "PROC", tmp_path / "no-proc")
+    assert main(["host-cost", "--model", str(tiny_model_dir)]) == 2
+    assert "Linux only" in capsys.readouterr().out
