@@ -13,10 +13,11 @@ Why it matters: on a GPU the model's step and this host work overlap, but the ho
 it outlasts the GPU's step (`engine.profile`), the server is host-bound. It needs no GPU, so a change
 to the serving path can be measured on any machine, and CPUs compared as they are.
 
-It also runs the engine's steps alone with the same constant token (the same closed loop, no
-server): the engine's host work per token, by step phase, so the server's figure can be split into
-the engine's share and the HTTP side's. The children (`--serve`, `--engine-only`) import the engine
-and the server; the parent, like the rest of bench, only talks HTTP and reads their output.
+It also measures each half alone: the engine's steps with the same constant token (the same closed
+loop, no server), by step phase; and the server over an engine that only emits the token (no
+scheduling, cache or detokenization), the HTTP side's cost. On one GIL the two cost more than their
+sum; apart, each would be bounded by its own. The children (`--serve`, `--engine-only`) import the
+engine and the server; the parent, like the rest of bench, only talks HTTP and reads their output.
 """
 
 from __future__ import annotations
@@ -83,11 +84,51 @@ def replace_the_model_with_a_constant_token() -> None:
     ModelRunner.launch = launch  # type: ignore[method-assign]
 
 
-def serve(model: str, port: int, max_num_seqs: int, max_model_len: int) -> None:
-    """The child: the server on CPU with the model's forward pass replaced by a constant token."""
+def replace_the_engine_with_an_emitter() -> None:
+    """In this process, LLMEngine validates a request and then only emits CONSTANT_TOKEN for it each
+    step until max_tokens: no scheduling, cache, preparation or detokenization. What a server built on
+    it spends is the HTTP side's cost (and the engine thread's loop), with the engine's work taken out."""
+    from engine import LLMEngine, RequestOutput, SamplingParams
+
+    running: dict[str, list[int]] = {}  # request id -> [tokens wanted, tokens sent]
+    piece: list[str] = []
+
+    def add_request(
+        self: LLMEngine, request_id: str, prompt: Any, params: SamplingParams, arrival_time: Any = None
+    ) -> None:
+        self.validate(prompt, params)
+        running[request_id] = [params.max_tokens, 0]
+
+    def step(self: LLMEngine) -> list[RequestOutput]:
+        if not piece:
+            piece.append(str(self.tokenizer.decode([CONSTANT_TOKEN])))
+        outputs = []
+        for request_id, state in list(running.items()):
+            state[1] += 1
+            done = state[1] >= state[0]
+            reason = "length" if done else None
+            outputs.append(RequestOutput(request_id, [], [CONSTANT_TOKEN], "", piece[0], done, reason))
+            if done:
+                del running[request_id]
+        return outputs
+
+    def abort(self: LLMEngine, request_id: str) -> bool:
+        return running.pop(request_id, None) is not None
+
+    LLMEngine.add_request = add_request  # type: ignore[method-assign]
+    LLMEngine.step = step  # type: ignore[method-assign]
+    LLMEngine.abort = abort  # type: ignore[method-assign]
+    LLMEngine.has_unfinished_requests = lambda self: bool(running)  # type: ignore[method-assign]
+
+
+def serve(model: str, port: int, max_num_seqs: int, max_model_len: int, http_only: bool) -> None:
+    """The child: the server on CPU with the model's forward pass replaced by a constant token (or,
+    http_only, the whole engine by an emitter of it)."""
     from server.cli import main as server_main
 
     replace_the_model_with_a_constant_token()
+    if http_only:
+        replace_the_engine_with_an_emitter()
     blocks = max_num_seqs * -(-max_model_len // 16)
     argv = ["--model", model, "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
     argv += ["--dtype", "float32", "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len)]
@@ -141,11 +182,12 @@ def engine_only(config: HostCostConfig) -> dict[str, float]:
     return figures
 
 
-def measure(config: HostCostConfig, log_path: Path) -> dict[str, Any]:
+def measure(config: HostCostConfig, log_path: Path, http_only: bool = False) -> dict[str, Any]:
     """Start the child, warm it up, measure one closed loop; the child is stopped whatever happens."""
     port = free_port()
     max_model_len = config.input_len + config.output_len + 16
     command = [sys.executable, "-m", "bench.host_cost", "--serve", "--model", config.model]
+    command += ["--http-only"] if http_only else []
     command += ["--port", str(port), "--max-num-seqs", str(config.max_num_seqs)]
     command += ["--max-model-len", str(max_model_len)]
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -258,6 +300,10 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else None
     log_path = out.with_suffix(".log") if out else Path("bench-out") / "host-cost-server.log"
     figures = measure(config, log_path)
+    http = measure(config, log_path.with_name(f"{log_path.stem}-http-only.log"), http_only=True)
+    figures["http_only_us_per_token"] = http["server_cpu_us_per_token"]
+    figures["http_only_output_tok_s"] = http["output_tok_s"]
+    figures["http_only_tokens_per_chunk"] = http["output_tokens"] / max(http["chunks"], 1)
     figures.update(measure_engine_only(config))
     phases = ", ".join(
         f"{phase} {figures[f'engine_{phase}_us_per_token']:.2f}"
@@ -269,7 +315,9 @@ def run(args: argparse.Namespace) -> int:
         f"(server CPU {figures['server_cpu_util']:.0%}; HTTP {figures['http']}, event loop "
         f"{figures['event_loop']}; {figures['output_tokens'] / max(figures['chunks'], 1):.2f} tokens a chunk; "
         f"{figures['completed']} requests, {figures['failures']} failed)\n"
-        f"engine alone: {figures['engine_us_per_token']:.2f} us a token ({phases})"
+        f"engine alone: {figures['engine_us_per_token']:.2f} us a token ({phases}); "
+        f"HTTP side alone (an engine that only emits the token): {figures['http_only_us_per_token']:.1f} us "
+        f"a token, {figures['http_only_output_tok_s']:,.0f} tok/s"
     )
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -284,10 +332,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--max-model-len", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--engine-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--http-only", action="store_true", help=argparse.SUPPRESS)
     add_arguments(parser)
     args = parser.parse_args(argv)
     if args.serve:
-        serve(args.model, args.port, args.max_num_seqs, args.max_model_len)
+        serve(args.model, args.port, args.max_num_seqs, args.max_model_len, args.http_only)
     if args.engine_only:
         print(json.dumps(engine_only(_config(args))))
         return 0

@@ -1,6 +1,7 @@
 """`bench host-cost`: this project's server with the model replaced by a constant token, measured
 through bench's client: every request streams all its tokens, and the server's CPU per token and the
-HTTP stack it ran on are reported, beside the engine's own host work per token (no server)."""
+HTTP stack it ran on are reported, beside each half alone: the engine's own host work per token (no
+server) and the server over an engine that only emits the token."""
 
 from __future__ import annotations
 
@@ -31,9 +32,13 @@ def test_host_cost_streams_every_token_and_reports_the_servers_cpu(tiny_model_di
     ]
     assert all(figures[key] > 0 for key in phases)
     assert sum(figures[key] for key in phases) <= figures["engine_us_per_token"]
+    # the server over an engine that only emits the token: the HTTP side's cost alone
+    assert figures["http_only_us_per_token"] > 0 and figures["http_only_output_tok_s"] > 0
+    assert 1 <= figures["http_only_tokens_per_chunk"] <= 64
+    assert "ready: serving" in out.with_name("host-cost-http-only.log").read_text()
     printed = capsys.readouterr().out
     assert "us of server CPU a streamed token" in printed and "HTTP httptools" in printed
-    assert "engine alone:" in printed
+    assert "engine alone:" in printed and "HTTP side alone" in printed
     # the server's log is kept beside the figures
     assert "ready: serving" in out.with_suffix(".log").read_text()
 
