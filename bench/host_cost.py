@@ -33,11 +33,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from bench.client import Endpoint
-from bench.launch import free_port
+from bench.launch import ServerProcess, ServerSpec, free_port
 from bench.machine import describe_machine
+from bench.probe import first_model
 from bench.runner import LoadConfig, run_closed_loop
 from bench.workload import WorkloadSpec
 
@@ -54,6 +53,31 @@ class HostCostConfig:
     output_len: int = 256
     max_num_seqs: int = 256
     start_timeout_s: float = 120.0
+
+    @property
+    def max_model_len(self) -> int:
+        return self.input_len + self.output_len + 16
+
+    def engine_flags(self) -> list[str]:
+        """The engine's flags, as `python -m server` takes them: the server child starts with them and
+        the engine-only child parses them, so both halves run one engine configuration."""
+        blocks = self.max_num_seqs * -(-self.max_model_len // 16)
+        flags = ["--device", "cpu", "--dtype", "float32", "--max-num-seqs", str(self.max_num_seqs)]
+        return [
+            *flags,
+            "--max-model-len",
+            str(self.max_model_len),
+            "--block-size",
+            "16",
+            "--num-kv-blocks",
+            str(blocks),
+        ]
+
+    def child_flags(self) -> list[str]:
+        """This configuration as the flags of a `python -m bench.host_cost` child (after --model)."""
+        flags = ["--concurrency", str(self.concurrency), "--requests", str(self.requests)]
+        flags += ["--input-len", str(self.input_len), "--output-len", str(self.output_len)]
+        return [*flags, "--max-num-seqs", str(self.max_num_seqs)]
 
 
 PROC = Path("/proc")  # where process CPU times are read: Linux only
@@ -121,7 +145,7 @@ def replace_the_engine_with_an_emitter() -> None:
     LLMEngine.has_unfinished_requests = lambda self: bool(running)  # type: ignore[method-assign]
 
 
-def serve(model: str, port: int, max_num_seqs: int, max_model_len: int, http_only: bool) -> None:
+def serve(config: HostCostConfig, host: str, port: int, http_only: bool) -> None:
     """The child: the server on CPU with the model's forward pass replaced by a constant token (or,
     http_only, the whole engine by an emitter of it)."""
     from server.cli import main as server_main
@@ -129,32 +153,20 @@ def serve(model: str, port: int, max_num_seqs: int, max_model_len: int, http_onl
     replace_the_model_with_a_constant_token()
     if http_only:
         replace_the_engine_with_an_emitter()
-    blocks = max_num_seqs * -(-max_model_len // 16)
-    argv = ["--model", model, "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
-    argv += ["--dtype", "float32", "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len)]
-    argv += ["--block-size", "16", "--num-kv-blocks", str(blocks), "--disable-uvicorn-access-log"]
-    raise SystemExit(server_main(argv))
+    argv = ["--model", config.model, "--host", host, "--port", str(port), *config.engine_flags()]
+    raise SystemExit(server_main([*argv, "--disable-uvicorn-access-log"]))
 
 
 def engine_only(config: HostCostConfig) -> dict[str, float]:
     """The engine's steps alone, in the child: `concurrency` sequences kept running (a new request as
     one finishes, as the closed loop does), `requests` of them measured after as many warm-up ones;
     the host's microseconds per generated token, in all and by step phase (engine.timer)."""
-    from engine import EngineArgs, LLMEngine, SamplingParams
+    from engine import LLMEngine, SamplingParams
+    from server.cli import build_parser, engine_args
 
     replace_the_model_with_a_constant_token()
-    max_model_len = config.input_len + config.output_len + 16
-    engine = LLMEngine(
-        EngineArgs(
-            model=config.model,
-            device="cpu",
-            dtype="float32",
-            max_num_seqs=config.max_num_seqs,
-            max_model_len=max_model_len,
-            block_size=16,
-            num_kv_blocks=config.max_num_seqs * -(-max_model_len // 16),
-        )
-    )
+    flags = build_parser().parse_args(["--model", config.model, *config.engine_flags()])
+    engine = LLMEngine(engine_args(flags))
     params = SamplingParams(max_tokens=config.output_len, temperature=0.0, ignore_eos=True)
     prompt = [1000 + i % 29000 for i in range(config.input_len)]
 
@@ -183,37 +195,25 @@ def engine_only(config: HostCostConfig) -> dict[str, float]:
 
 
 def measure(config: HostCostConfig, log_path: Path, http_only: bool = False) -> dict[str, Any]:
-    """Start the child, warm it up, measure one closed loop; the child is stopped whatever happens."""
-    port = free_port()
-    max_model_len = config.input_len + config.output_len + 16
-    command = [sys.executable, "-m", "bench.host_cost", "--serve", "--model", config.model]
-    command += ["--http-only"] if http_only else []
-    command += ["--port", str(port), "--max-num-seqs", str(config.max_num_seqs)]
-    command += ["--max-model-len", str(max_model_len)]
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "w") as log:
-        child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            endpoint = Endpoint(
-                f"http://127.0.0.1:{port}/v1", model=_wait_ready(child, port, config, log_path)
-            )
-            workload = WorkloadSpec(kind="fixed", input_len=config.input_len, output_len=config.output_len)
-            warm = LoadConfig(n_requests=config.concurrency, progress=False)
-            run_closed_loop(endpoint, workload, config.concurrency, warm)
-            before, start = process_cpu_seconds(child.pid), time.perf_counter()
-            level = run_closed_loop(
-                endpoint, workload, config.concurrency, LoadConfig(n_requests=config.requests, progress=False)
-            )
-            cpu_s, wall_s = process_cpu_seconds(child.pid) - before, time.perf_counter() - start
-        finally:
-            child.terminate()
-            try:
-                child.wait(30)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
+    """Start the server child, warm it up, measure one closed loop; the child is stopped whatever
+    happens."""
+    args = ["--serve", *(["--http-only"] if http_only else []), *config.child_flags()]
+    spec = ServerSpec("engine", config.model, free_port(), args, module="bench.host_cost")
+    with ServerProcess(spec, log_path) as server:
+        server.start(timeout_s=config.start_timeout_s)
+        assert server.process is not None
+        endpoint = Endpoint(spec.base_url, model=first_model(spec.base_url))
+        workload = WorkloadSpec(kind="fixed", input_len=config.input_len, output_len=config.output_len)
+        warm = LoadConfig(n_requests=config.concurrency, progress=False)
+        run_closed_loop(endpoint, workload, config.concurrency, warm)
+        before, start = process_cpu_seconds(server.process.pid), time.perf_counter()
+        level = run_closed_loop(
+            endpoint, workload, config.concurrency, LoadConfig(n_requests=config.requests, progress=False)
+        )
+        cpu_s, wall_s = process_cpu_seconds(server.process.pid) - before, time.perf_counter() - start
     rows = [row for row in level.rows if not row.warmup]
     tokens = sum(row.output_tokens for row in rows if row.ok)
+    chunks = sum(row.chunks for row in rows if row.ok)
     stack = _stack(log_path.read_text())
     return {
         "kind": "host-cost",
@@ -225,27 +225,14 @@ def measure(config: HostCostConfig, log_path: Path, http_only: bool = False) -> 
         "completed": sum(row.ok for row in rows),
         "failures": sum(not row.ok for row in rows),
         "output_tokens": tokens,
-        "chunks": sum(row.chunks for row in rows if row.ok),
+        "chunks": chunks,
+        "tokens_per_chunk": tokens / max(chunks, 1),
         "wall_s": wall_s,
         "server_cpu_s": cpu_s,
         "server_cpu_us_per_token": cpu_s / tokens * 1e6 if tokens else None,
         "server_cpu_util": cpu_s / wall_s,
         "output_tok_s": tokens / wall_s,
     }
-
-
-def _wait_ready(child: subprocess.Popen[bytes], port: int, config: HostCostConfig, log_path: Path) -> str:
-    """The served model name, once /v1/models answers."""
-    deadline = time.monotonic() + config.start_timeout_s
-    while time.monotonic() < deadline:
-        if child.poll() is not None:
-            raise RuntimeError(f"the server exited with {child.returncode}: {log_path.read_text()[-2000:]}")
-        try:
-            models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).json()
-            return str(models["data"][0]["id"])
-        except (httpx.HTTPError, KeyError, ValueError):
-            time.sleep(0.2)
-    raise TimeoutError(f"the server did not answer within {config.start_timeout_s:.0f} s (log: {log_path})")
 
 
 def _stack(log: str) -> tuple[str, str]:
@@ -271,9 +258,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def measure_engine_only(config: HostCostConfig) -> dict[str, float]:
     """engine_only in a child process (bench itself does not import the engine)."""
     command = [sys.executable, "-m", "bench.host_cost", "--engine-only", "--model", config.model]
-    command += ["--concurrency", str(config.concurrency), "--requests", str(config.requests)]
-    command += ["--input-len", str(config.input_len), "--output-len", str(config.output_len)]
-    command += ["--max-num-seqs", str(config.max_num_seqs)]
+    command += config.child_flags()
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"the engine-only run failed ({done.returncode}): {done.stderr[-2000:]}")
@@ -303,7 +288,7 @@ def run(args: argparse.Namespace) -> int:
     http = measure(config, log_path.with_name(f"{log_path.stem}-http-only.log"), http_only=True)
     figures["http_only_us_per_token"] = http["server_cpu_us_per_token"]
     figures["http_only_output_tok_s"] = http["output_tok_s"]
-    figures["http_only_tokens_per_chunk"] = http["output_tokens"] / max(http["chunks"], 1)
+    figures["http_only_tokens_per_chunk"] = http["tokens_per_chunk"]
     figures.update(measure_engine_only(config))
     phases = ", ".join(
         f"{phase} {figures[f'engine_{phase}_us_per_token']:.2f}"
@@ -313,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
         f"host cost: {figures['server_cpu_us_per_token']:.1f} us of server CPU a streamed token, "
         f"{figures['output_tok_s']:,.0f} output tok/s at {config.concurrency} streams "
         f"(server CPU {figures['server_cpu_util']:.0%}; HTTP {figures['http']}, event loop "
-        f"{figures['event_loop']}; {figures['output_tokens'] / max(figures['chunks'], 1):.2f} tokens a chunk; "
+        f"{figures['event_loop']}; {figures['tokens_per_chunk']:.2f} tokens a chunk; "
         f"{figures['completed']} requests, {figures['failures']} failed)\n"
         f"engine alone: {figures['engine_us_per_token']:.2f} us a token ({phases}); "
         f"HTTP side alone (an engine that only emits the token): {figures['http_only_us_per_token']:.1f} us "
@@ -329,14 +314,14 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.host_cost", description=__doc__)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--host", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--max-model-len", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--engine-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--http-only", action="store_true", help=argparse.SUPPRESS)
     add_arguments(parser)
     args = parser.parse_args(argv)
     if args.serve:
-        serve(args.model, args.port, args.max_num_seqs, args.max_model_len, args.http_only)
+        serve(_config(args), args.host, args.port, args.http_only)
     if args.engine_only:
         print(json.dumps(engine_only(_config(args))))
         return 0

@@ -61,6 +61,9 @@ class ServerSpec:
     args: list[str] = field(default_factory=list)
     env_file: str | None = None  # sourced before a vLLM start
     cwd: str | None = None  # where it runs: `bench ab` starts each side from its own git worktree
+    # The module the engine's server runs as: `server`, or one that starts it changed for a
+    # measurement (`bench.host_cost`, which takes the model out).
+    module: str = "server"
 
     @classmethod
     def for_target(
@@ -90,7 +93,7 @@ class ServerSpec:
         host = ["--host", "127.0.0.1", "--port", str(self.port)]
         if self.target == "engine":
             return slowdown.wrap(
-                [sys.executable, "-m", "server", "--model", self.model_dir, *host, *self.args], "engine"
+                [sys.executable, "-m", self.module, "--model", self.model_dir, *host, *self.args], "engine"
             )
         if self.target == "vllm":
             launch = [
