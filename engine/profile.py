@@ -6,7 +6,8 @@ torch.profiler, and prints the step time; the bandwidth it achieves against the 
 (weights + KV read per step / step time, against a large device-to-device copy); the fraction of the
 step's wall time the GPU is busy (the profiler's device time / the steady step's wall time) and the
 kernel launches per step; the host's time per phase of the step (engine.timer: schedule, prepare,
-...); and the top operators. `--json PATH` writes every figure. It drives the engine through its public API only, and changes nothing.
+...); and the top operators. `--json PATH` writes every figure. It drives the engine through its
+public API only, and changes nothing.
 """
 
 from __future__ import annotations

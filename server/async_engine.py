@@ -109,12 +109,15 @@ class RequestStream:
     def _put(self, index: int, item: RequestOutput | Exception) -> bool:
         """Called on the event loop; True when this was index's final item."""
         items = self._items
-        if items and isinstance(item, RequestOutput):
-            last_index, last = items[-1]
-            if last_index == index and isinstance(last, RequestOutput) and not last.finished:
-                items[-1] = (index, last.followed_by(item))
-            else:
-                items.append((index, item))
+        unread = items[-1] if items else None
+        if (
+            unread is not None
+            and unread[0] == index
+            and isinstance(unread[1], RequestOutput)
+            and not unread[1].finished
+            and isinstance(item, RequestOutput)
+        ):
+            items[-1] = (index, unread[1].followed_by(item))
         else:
             items.append((index, item))
         self._ready.set()
