@@ -28,7 +28,7 @@ def test_offline(benchmark, target, perf, recorder, model_folder):
         pytest.skip(reason)
     recorder.stop_servers()  # the GPU to this target alone (--target both: vLLM's server is still up)
     config = OfflineConfig(
-        target, model_folder, perf.dtype, workload=perf.workload, load=perf.profile.offline
+        target, model_folder(), perf.dtype, workload=perf.workload, load=perf.profile.offline
     )
     sections = []
     worker: dict = {}
