@@ -78,7 +78,17 @@ def test_a_skipped_offline_case_writes_no_model(fake_url, tmp_path):
     # A running server holds the GPU, so the offline case skips; the preset's checkpoint (2.9 GB for
     # qwen2.5-1.5b) must not be written into the run's folder on the way to the skip.
     out = tmp_path / "out"
-    arguments = ["-rs", "--server-url", fake_url, "--profile", "smoke", "--trials", "1", "--perf-out", str(out)]
+    arguments = [
+        "-rs",
+        "--server-url",
+        fake_url,
+        "--profile",
+        "smoke",
+        "--trials",
+        "1",
+        "--perf-out",
+        str(out),
+    ]
     run = run_perf_tier([*arguments, "-k", "offline", "--model", "tiny"], timeout_s=120)
     assert run.returncode == 0, run.stdout[-2000:]
     assert "1 skipped" in run.stdout and "holds the GPU" in run.stdout, run.stdout[-2000:]
