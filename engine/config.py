@@ -99,7 +99,7 @@ class EngineArgs:
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 256
+    max_num_seqs: int | None = None  # None: DEFAULT_MAX_NUM_SEQS, or the token budget if that is smaller
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     dtype: str = "auto"

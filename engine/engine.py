@@ -30,6 +30,11 @@ from engine.step_timing import StepTimer
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+# Sequences in one step when not given (vLLM's default on GPUs of >= 70 GiB). On the H200, 1,000 seed-mix
+# requests at once: 14.1k output tok/s at 256, 16.0k at 512, 16.6k at 1,024 (baselines/nvidia-h200/
+# qwen2.5-1.5b/engine-options-2026-12-01/). A token budget smaller than this caps it instead, so that
+# every running sequence can still decode in one step.
+DEFAULT_MAX_NUM_SEQS = 1024
 
 
 @dataclass
@@ -126,9 +131,12 @@ class LLMEngine:
                 f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {self.model_config.max_position_embeddings}"
             )
         self.max_num_batched_tokens = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
-        if self.max_num_batched_tokens < args.max_num_seqs:
+        if args.max_num_seqs is not None and args.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {args.max_num_seqs}")
+        self.max_num_seqs = args.max_num_seqs or min(DEFAULT_MAX_NUM_SEQS, self.max_num_batched_tokens)
+        if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({args.max_num_seqs}), so every running sequence can decode in one step"
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs}), so every running sequence can decode in one step"
             )
         torch.manual_seed(args.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -140,7 +148,7 @@ class LLMEngine:
                 dtype=self.dtype,
                 max_model_len=self.max_model_len,
                 block_size=args.block_size,
-                max_num_seqs=args.max_num_seqs,
+                max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 attention_backend=args.attention_backend,
                 enforce_eager=args.enforce_eager,
@@ -156,7 +164,7 @@ class LLMEngine:
         self.runner.capture_graphs()
         self.cache_config = CacheConfig(block_size=args.block_size, num_blocks=num_blocks)
         self.scheduler_config = SchedulerConfig(
-            args.max_num_seqs, self.max_num_batched_tokens, self.max_model_len
+            self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len
         )
         self.allocator = BlockAllocator(num_blocks, args.block_size)
         self.scheduler = Scheduler(self.scheduler_config, self.allocator, self.model_config.eos_token_ids)
@@ -344,6 +352,7 @@ class LLMEngine:
             num_kv_blocks=self.cache_config.num_blocks,
             max_model_len=self.max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
             dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device),
             attention_backend=self.runner.backend.name,

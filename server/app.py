@@ -246,7 +246,7 @@ async def _events(
 def create_app(
     engine: LLMEngine,
     served_model_name: str | None = None,
-    max_pending: int = 512,
+    max_pending: int | None = None,
     shutdown_timeout: float = 30.0,
     api_key: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,

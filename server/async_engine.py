@@ -157,10 +157,11 @@ class AsyncEngine:
     """Owns the engine thread; every public method runs on the event loop."""
 
     def __init__(
-        self, engine: LLMEngine, max_pending: int = 512, observer: LoopObserver | None = None
+        self, engine: LLMEngine, max_pending: int | None = None, observer: LoopObserver | None = None
     ) -> None:
         self.engine = engine
-        self.max_pending = max_pending
+        # Default: twice the sequences one step runs, so a full batch can wait behind the running one.
+        self.max_pending = max_pending if max_pending is not None else 2 * engine.max_num_seqs
         self.observer = observer
         self.accepting = True
         self.snapshot = Snapshot(engine.stats(), engine.scheduler.num_preemptions)

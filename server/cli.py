@@ -82,8 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-pending",
         type=int,
-        default=512,
-        help="accepted, unfinished requests past which new ones get 503",
+        default=None,
+        help="accepted, unfinished requests past which new ones get 503 (default: 2 x max_num_seqs in force)",
     )
     parser.add_argument(
         "--max-request-bytes",

@@ -93,3 +93,22 @@ def test_kv_cache_sized_from_memory(tiny_model_dir):
     assert config["num_kv_blocks"] == engine.cache_config.num_blocks
     assert config["dtype"] == "float32" and config["device"] == "cpu"
     assert set(EngineArgs.field_names()) <= set(config)
+
+
+def test_sequence_cap_defaults_to_1024_and_to_a_smaller_token_budget(tiny_model_dir):
+    def in_force(**options) -> dict:
+        args = EngineArgs(
+            model=str(tiny_model_dir), device="cpu", num_kv_blocks=32, max_model_len=256, **options
+        )
+        engine = LLMEngine(args)
+        assert engine.scheduler.config.max_num_seqs == engine.max_num_seqs
+        return engine.config_dict()
+
+    assert in_force()["max_num_seqs"] == 1024  # with the default token budget of 8,192
+    # a token budget under 1,024 caps it, so every running sequence still decodes in one step
+    assert in_force(max_num_batched_tokens=64)["max_num_seqs"] == 64
+    assert in_force(max_num_batched_tokens=64, max_num_seqs=8)["max_num_seqs"] == 8
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(64\) must be >= max_num_seqs \(65\)"):
+        in_force(max_num_batched_tokens=64, max_num_seqs=65)
+    with pytest.raises(ValueError, match="max_num_seqs must be >= 1, got 0"):
+        in_force(max_num_seqs=0)
