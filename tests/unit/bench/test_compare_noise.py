@@ -83,7 +83,7 @@ def test_a_5_percent_loss_with_1_percent_spreads_is_a_regression():
 
 
 def test_the_stored_h200_baselines_spread_no_longer_hides_a_15_percent_drop():
-    # baselines/nvidia-h200/qwen2.5-1.5b/engine-seed-mix.json, 8 in flight: 145.8 / 168.3 / 174.2
+    # The H200 engine baseline of 2026-11-29 (trials-2026-11-29/), 8 in flight: 145.8 / 168.3 / 174.2
     # tok/s, 17 % spread; under the old rule a 15 % drop with the same spread was "within noise".
     base = [145.8, 168.3, 174.2]
     assert decide(figure(base), figure(scaled(base, 0.85)), "higher", 3.0) == REGRESSION
