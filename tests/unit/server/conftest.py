@@ -12,10 +12,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_testing import ENGINE_OPTIONS, MODEL_NAME, LiveServer, ServerProcess
+from server_testing import ENGINE_OPTIONS, LiveServer, ServerProcess, app_client
 
 from engine import EngineArgs, LLMEngine
-from server import create_app
 
 
 @pytest.fixture(scope="session")
@@ -26,11 +25,8 @@ def engine(tiny_model_dir: Path) -> LLMEngine:
 
 @pytest.fixture
 async def api(engine: LLMEngine) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(engine, MODEL_NAME, max_pending=64, shutdown_timeout=2.0)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as client:
-            yield client
+    async with app_client(engine, max_pending=64) as client:
+        yield client
 
 
 @pytest.fixture

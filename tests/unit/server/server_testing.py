@@ -30,6 +30,17 @@ ENGINE_OPTIONS: dict[str, Any] = {"max_model_len": 512, "num_kv_blocks": 64, "bl
 MODEL_NAME = "tiny"
 
 
+@asynccontextmanager
+async def app_client(engine: LLMEngine, **app_options: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """create_app(engine, ...) driven in-process through httpx's ASGITransport, its lifespan running
+    (the engine thread started, drained at the end); no incremental streaming."""
+    app = create_app(engine, MODEL_NAME, **{"shutdown_timeout": 2.0, **app_options})
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as client:
+            yield client
+
+
 class LiveServer:
     """uvicorn serving create_app(engine, ...) on 127.0.0.1:<free port> in a background thread."""
 

@@ -9,10 +9,9 @@ from typing import Any
 
 import httpx
 import pytest
-from server_testing import ENGINE_OPTIONS, MODEL_NAME
+from server_testing import ENGINE_OPTIONS, MODEL_NAME, app_client
 
 from engine import EngineArgs, LLMEngine
-from server import create_app
 
 LONG_PROMPT = [7] * 600  # past max_model_len 512 on its own
 COMPLETION = "/v1/completions"
@@ -166,14 +165,11 @@ async def test_refused_parameters_are_400_with_their_message(
 async def test_admission_defaults_to_twice_the_sequence_cap(tiny_model_dir) -> None:
     # No --max-pending: twice max_num_seqs in force (here 4, so 8); a batch of 9 could never fit.
     engine = LLMEngine(EngineArgs(model=str(tiny_model_dir), **ENGINE_OPTIONS, max_num_seqs=4))
-    app = create_app(engine, MODEL_NAME, shutdown_timeout=2.0)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as client:
-            body = {"model": MODEL_NAME, "max_tokens": 1}
-            refused = await client.post(COMPLETION, json={**body, "prompt": [[1]] * 9})
-            assert refused.status_code == 400, refused.text
-            assert "(8, --max-pending)" in refused.json()["error"]["message"]
-            accepted = await client.post(COMPLETION, json={**body, "prompt": [[1]] * 8})
-            assert accepted.status_code == 200, accepted.text
-            assert len(accepted.json()["choices"]) == 8
+    async with app_client(engine) as client:
+        body = {"model": MODEL_NAME, "max_tokens": 1}
+        refused = await client.post(COMPLETION, json={**body, "prompt": [[1]] * 9})
+        assert refused.status_code == 400, refused.text
+        assert "(8, --max-pending)" in refused.json()["error"]["message"]
+        accepted = await client.post(COMPLETION, json={**body, "prompt": [[1]] * 8})
+        assert accepted.status_code == 200, accepted.text
+        assert len(accepted.json()["choices"]) == 8
