@@ -10,10 +10,13 @@ docstring: the new run's spread can never excuse it). The CLI's `compare` and `a
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from scipy import stats
 
 from bench.metrics import STEP_TIMING, metric_direction
 from bench.results import Result, level_key, load_result
@@ -42,6 +45,10 @@ RATE_TOLERANCE = 0.01
 # limited: there a level's latency is its queue, and 429/503 past saturation is load shedding.
 BELOW_SATURATION = 0.8
 REGRESSION, UNRELIABLE, OK = "REGRESSION", "UNRELIABLE", "ok"
+# `decide`'s tests on the trials: how sure a drop past its limit must be before it is a regression, and
+# how much more than the base's the new trials may scatter before the new run counts as noisy.
+SEPARATION_ALPHA = 0.05
+NOISIER_ALPHA = 0.01
 SHOWN_METRICS = (
     "served_req_s",
     "output_tok_s",
@@ -91,11 +98,13 @@ def parse_max_drop(text: str) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class Figure:
-    """One side of a row: the median over trials and, when trials were run, their min and max."""
+    """One side of a row: the median over trials and, when trials were run, their min and max, and
+    each trial's value where they are known (`samples`; see `_figure`)."""
 
     value: float
     low: float | None = None
     high: float | None = None
+    samples: tuple[float, ...] | None = None
 
     def worse_spread_pct(self, direction: str) -> float:
         """How far the worst trial strays from the median on the worse side, in percent of the median
@@ -112,6 +121,37 @@ class Figure:
         return f"{_fmt(self.value)} [{_fmt(self.low)}, {_fmt(self.high)}]"
 
 
+def separated(base: Sequence[float], new: Sequence[float], direction: str) -> bool | None:
+    """Are new's trials worse than base's beyond the trials' own scatter? A one-sided two-sample t-test
+    with the variance pooled from both sides' trials, at SEPARATION_ALPHA. Trials are the unit: a
+    server started afresh lands a few percent apart from the last one, more than the requests inside
+    one trial scatter. None when it cannot be computed (fewer than three trials in all)."""
+    n_base, n_new = len(base), len(new)
+    if n_base + n_new < 3 or min(n_base, n_new) < 1:
+        return None
+    mean_base, mean_new = statistics.fmean(base), statistics.fmean(new)
+    worse = (mean_base - mean_new) if direction == "higher" else (mean_new - mean_base)
+    squares = sum((x - mean_base) ** 2 for x in base) + sum((x - mean_new) ** 2 for x in new)
+    dof = n_base + n_new - 2
+    scale = math.sqrt(squares / dof * (1 / n_base + 1 / n_new))
+    if scale == 0:
+        return worse > 0
+    return bool(stats.t.sf(worse / scale, dof) < SEPARATION_ALPHA)
+
+
+def noisier(base: Sequence[float], new: Sequence[float]) -> bool | None:
+    """Do new's trials scatter significantly more than base's? A one-sided F-test of their variances
+    at NOISIER_ALPHA. None when either side has fewer than two trials."""
+    if len(base) < 2 or len(new) < 2:
+        return None
+    var_base, var_new = statistics.variance(base), statistics.variance(new)
+    if var_new == 0:
+        return False
+    if var_base == 0:
+        return True
+    return bool(stats.f.sf(var_new / var_base, len(new) - 1, len(base) - 1) < NOISIER_ALPHA)
+
+
 def decide(base: Figure, new: Figure, direction: str, limit_pct: float | None) -> str:
     """The verdict of one row: REGRESSION, UNRELIABLE, OK, or "" when the row has no limit.
 
@@ -119,12 +159,17 @@ def decide(base: Figure, new: Figure, direction: str, limit_pct: float | None) -
     higher-is-better, a rise for lower-is-better); band = the base's own noise, how far its worst trial
     strays from its median on the worse side (`Figure.worse_spread_pct`; 0 for one trial).
 
-    - REGRESSION: worsening > limit and worsening > band. Only the base's spread widens the band, so a
-      noisy new run cannot excuse itself: new trials [900, 600, 610] against base [900, 899, 901] are a
-      32 % drop past a 0.1 % band.
-    - UNRELIABLE (rerun, more trials or `bench ab`): past the limit but inside the base's band (the
-      base cannot tell), or new's median is fine but its worst trial is worse than base's median by
-      more than both the limit and the band (a noisy new run is not a pass).
+    - REGRESSION: worsening > limit and worsening > band, and the trials say it is no accident: new's
+      trials are worse than base's beyond the scatter of both (`separated`), or new's trials scatter
+      significantly more than base's (`noisier`: a change that makes the figure unstable and its
+      median worse is a regression, and its scatter can never excuse it: new trials [900, 600, 610]
+      against base [900, 899, 901] are a 32 % drop). Where trial values are not known (one trial, or
+      only a median, min and max of more than three), past the limit and the band is enough.
+    - UNRELIABLE (rerun, more trials: `bench ab --max-trials`): past the limit but inside the base's
+      band, or past both but with trials that overlap too much to tell (an A/A of one commit on the
+      H200 lands up to 24 % apart on latency medians with two trials a side); or new's median is
+      fine but new's trials scatter significantly more than base's and its worst trial is worse than
+      base's median by more than both the limit and the band (a noisy new run is not a pass).
     - OK otherwise. A NaN on either side is never a regression (shown, not decided).
     """
     if limit_pct is None:
@@ -133,11 +178,22 @@ def decide(base: Figure, new: Figure, direction: str, limit_pct: float | None) -
         return OK
     worsening = _worsening_pct(base.value, new.value, direction)
     band = base.worse_spread_pct(direction)
+    known = base.samples is not None and new.samples is not None
     if worsening > limit_pct:
-        return REGRESSION if worsening > band else UNRELIABLE
+        if worsening <= band:
+            return UNRELIABLE
+        if not known:
+            return REGRESSION
+        assert base.samples is not None and new.samples is not None
+        if separated(base.samples, new.samples, direction) is not False:
+            return REGRESSION
+        return REGRESSION if noisier(base.samples, new.samples) else UNRELIABLE
     worst = new.low if direction == "higher" else new.high
     if worst is not None and _worsening_pct(base.value, worst, direction) > max(limit_pct, band):
-        return UNRELIABLE
+        if not known:
+            return UNRELIABLE
+        assert base.samples is not None and new.samples is not None
+        return UNRELIABLE if noisier(base.samples, new.samples) is not False else OK
     return OK
 
 
@@ -402,12 +458,23 @@ def _offline_metrics(entry: Mapping[str, Any], max_drop: Mapping[str, float]) ->
 
 def _figure(figures: Mapping[str, Any], metric: str, result: Result) -> Figure:
     """The median `figures[metric]` with its `_min`/`_max`, unless the level (or else the result) says
-    it was a single trial."""
+    it was a single trial; and each trial's value: `<metric>_trials` where the summary lists them
+    (bench.trials writes them), else read back from the median, min and max of two or three trials."""
     value = math.nan if figures.get(metric) is None else float(figures[metric])
     low, high = _number(figures.get(f"{metric}_min")), _number(figures.get(f"{metric}_max"))
-    if figures.get("trials", result.meta.get("trials")) == 1 or low is None or high is None:
+    trials = figures.get("trials", result.meta.get("trials"))
+    if trials == 1 or low is None or high is None:
         return Figure(value)
-    return Figure(value, low, high)
+    listed = figures.get(f"{metric}_trials")
+    samples: tuple[float, ...] | None = None
+    if isinstance(listed, list) and len(listed) >= 2:
+        numbers = [_number(x) for x in listed]
+        samples = tuple(x for x in numbers if x is not None) if None not in numbers else None
+    elif trials == 2:
+        samples = (low, high)
+    elif trials == 3 and not math.isnan(value):
+        samples = (low, value, high)
+    return Figure(value, low, high, samples)
 
 
 def _number(value: Any) -> float | None:

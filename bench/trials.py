@@ -43,12 +43,18 @@ OFFLINE_KEYS = (
 )
 
 
-def spread(values: Sequence[float | None], key: str) -> dict[str, float]:
-    """{key: median, key_min: min, key_max: max} over the values that are numbers."""
+def spread(values: Sequence[float | None], key: str) -> dict[str, Any]:
+    """{key: median, key_min: min, key_max: max, key_trials: each value in trial order} over the values
+    that are numbers (the list is what bench.compare's tests on the trials read)."""
     numbers = [float(v) for v in values if v is not None and v == v]
     if not numbers:
         return {key: float("nan"), f"{key}_min": float("nan"), f"{key}_max": float("nan")}
-    return {key: statistics.median(numbers), f"{key}_min": min(numbers), f"{key}_max": max(numbers)}
+    return {
+        key: statistics.median(numbers),
+        f"{key}_min": min(numbers),
+        f"{key}_max": max(numbers),
+        f"{key}_trials": numbers,
+    }
 
 
 def fold_levels(

@@ -7,13 +7,26 @@ import json
 import math
 import random
 import statistics
+from pathlib import Path
 
 import pytest
 
 from bench.__main__ import main
-from bench.compare import OK, REGRESSION, UNRELIABLE, Figure, compare_results, decide, parse_max_drop
+from bench.compare import (
+    DEFAULT_MAX_DROP,
+    OK,
+    REGRESSION,
+    UNRELIABLE,
+    Figure,
+    compare_results,
+    decide,
+    noisier,
+    parse_max_drop,
+    separated,
+)
 from bench.results import Result
 
+REPO = Path(__file__).resolve().parents[3]
 LIMITS = "capacity_req_s=3%,served_req_s=3%,output_tok_s=3%,ttft_p50_s=10%"
 MACHINE = {"gpu": "NVIDIA H200", "gpu_driver": "570.1", "cpu_model": "AMD EPYC 9654", "cpu_count": 32}
 
@@ -60,7 +73,7 @@ WIDE = [100.0, 96.0, 104.0]  # median 100, 4 % either way
 
 
 def figure(trials):
-    return Figure(statistics.median(trials), min(trials), max(trials))
+    return Figure(statistics.median(trials), min(trials), max(trials), tuple(trials))
 
 
 # -- the deciding function itself ------------------------------------------------------------------
@@ -112,7 +125,50 @@ def test_two_runs_of_the_same_server_are_not_a_regression():
 
 def test_past_the_limit_inside_the_base_band_is_unreliable_not_a_pass():
     assert decide(figure(WIDE), figure(scaled(TIGHT, 0.965)), "higher", 3.0) == UNRELIABLE  # 3.5 % < 4 %
-    assert decide(figure(WIDE), figure(scaled(TIGHT, 0.95)), "higher", 3.0) == REGRESSION  # 5 % > 4 %
+
+
+def test_past_the_band_with_trials_too_few_to_tell_is_unreliable_and_more_trials_decide():
+    # 5 % down against a base whose three trials scatter 4 % either way: past the band, but a t-test on
+    # the six trials cannot tell it from the base's scatter (p = 0.051): a rerun, not a verdict. Five
+    # trials a side from the same two servers decide it (bench ab --max-trials).
+    assert decide(figure(WIDE), figure(scaled(TIGHT, 0.95)), "higher", 3.0) == UNRELIABLE
+    base5, new5 = [100.0, 96.0, 104.0, 98.0, 102.0], scaled([100.0, 99.0, 101.0, 99.5, 100.5], 0.95)
+    assert decide(figure(base5), figure(new5), "higher", 3.0) == REGRESSION
+
+
+def test_trial_noise_near_the_limit_rarely_fails_a_same_commit_pair():
+    # Latency medians whose trials scatter 8 % (the H200's at 32 req/s and at 1 in flight, see
+    # test_the_h200_a_a_run_is_not_a_regression) under a 10 % limit, three trials a side. Measured
+    # with seed 1: the rule calls 69 of 2,000 same-server pairs a regression and 149 unreliable; the
+    # band alone called 144 and 474. A 40 % slowdown is still caught 1,983 times.
+    rng = random.Random(1)
+    verdicts = {OK: 0, UNRELIABLE: 0, REGRESSION: 0}
+    caught = 0
+    for _ in range(2000):
+        base = [rng.gauss(100, 8) for _ in range(3)]
+        verdicts[decide(figure(base), figure([rng.gauss(100, 8) for _ in range(3)]), "lower", 10.0)] += 1
+        slow = [rng.gauss(140, 11.2) for _ in range(3)]
+        caught += decide(figure(base), figure(slow), "lower", 10.0) == REGRESSION
+    assert verdicts[REGRESSION] <= 100 and verdicts[UNRELIABLE] <= 250
+    assert caught >= 1900
+
+
+def test_the_h200_a_a_run_is_not_a_regression():
+    # One commit against itself by bench ab on an H200 (2026-12-01, short profile, two trials a side):
+    # its latency medians landed up to 32 % apart (TTFT p50 at 1 in flight: [14.8, 18.6] ms against
+    # [16.9, 27.2]), and the band alone called four rows regressions. The trials overlap too much to
+    # tell: unreliable, which `bench ab --max-trials` answers with more trials.
+    folder = REPO / "baselines/nvidia-h200/qwen2.5-1.5b/ab-aa-2026-12-01"
+    comparison = compare_results(
+        folder / "base-seed-mix.json", folder / "new-seed-mix.json", DEFAULT_MAX_DROP
+    )
+    assert comparison.regressions == []
+    assert {(r.level, r.metric) for r in comparison.unreliable} == {
+        ("rate 32/s", "ttft_p50_s"),
+        ("rate 32/s", "tpot_p50_s"),
+        ("concurrency 1", "ttft_p50_s"),
+        ("concurrency 128", "output_tok_s"),
+    }
 
 
 def test_a_noisy_new_run_with_a_good_median_is_unreliable():
@@ -129,7 +185,8 @@ def test_a_noisy_new_run_with_a_good_median_is_unreliable():
         ([0.100, 0.099, 0.101], 1.05, OK),  # inside the 10 % limit
         ([0.100, 0.099, 0.101], 0.80, OK),  # faster is never a regression
         ([0.100, 0.080, 0.120], 1.15, UNRELIABLE),  # 15 % slower, inside the base's 20 %
-        ([0.100, 0.080, 0.120], 1.25, REGRESSION),  # past it
+        ([0.100, 0.080, 0.120], 1.25, UNRELIABLE),  # past it, but the trials overlap (p = 0.12)
+        ([0.100, 0.080, 0.120], 1.60, REGRESSION),  # past it and apart (p = 0.025)
     ],
 )
 def test_lower_is_better_the_right_way_round(base, factor, verdict):
@@ -359,3 +416,36 @@ def test_default_limits_cover_the_offline_figures(metric, value):
     base = Result("e", "b", [], offline={"probes": entry})
     new = Result("e", "n", [], offline={"probes": {**entry, metric: value}})
     assert [r.metric for r in compare_results(base, new).regressions] == [metric]
+
+
+# -- the two tests on the trials --------------------------------------------------------------------
+def test_separated_is_a_one_sided_t_test_on_the_trials():
+    from scipy import stats
+
+    base, new = [100.0, 96.0, 104.0], [95.0, 94.05, 95.95]
+    expected = bool(stats.ttest_ind(base, new, alternative="greater").pvalue < 0.05)  # p = 0.051
+    assert separated(base, new, "higher") is expected is False
+    assert separated(base, [90.0, 89.0, 91.0], "higher") is True
+    assert separated(base, [90.0, 89.0, 91.0], "lower") is False  # lower is better: new is faster
+    assert separated([1.0, 1.0], [1.0, 1.0], "higher") is False  # no scatter, no difference
+    assert separated([1.0, 1.0], [0.9, 0.9], "higher") is True  # no scatter, a difference
+    assert separated([1.0], [0.9], "higher") is None  # two trials in all: nothing to test with
+
+
+def test_noisier_is_a_one_sided_f_test_of_the_variances():
+    assert noisier([900.0, 899.0, 901.0], [900.0, 600.0, 610.0]) is True
+    assert noisier([900.0, 600.0, 610.0], [900.0, 899.0, 901.0]) is False  # quieter is not noisier
+    assert noisier([100.0, 96.0, 104.0], [100.0, 94.0, 106.0]) is False  # 1.6x the variance: chance
+    assert noisier([1.0, 1.0], [1.0, 2.0]) is True and noisier([1.0, 2.0], [1.0, 1.0]) is False
+    assert noisier([1.0], [1.0, 2.0]) is None
+
+
+def test_compare_reads_each_trial_from_the_summary(tmp_path):
+    # Five trials a side: the median, min and max alone cannot give the t-test its values, so the band
+    # alone decides (a 5 % drop past a 4.1 % band: a regression). The summary's `_trials` lists show
+    # trials that overlap (p = 0.09): unreliable.
+    base_trials, new_trials = [100.0, 96.0, 104.0, 95.9, 104.1], [95.0, 88.0, 102.0, 89.0, 101.0]
+    base, new = summary(base_trials), summary(new_trials)
+    assert row(compare(tmp_path, base, new), "capacity_req_s").regressed
+    base["capacity_req_s_trials"], new["capacity_req_s_trials"] = base_trials, new_trials
+    assert row(compare(tmp_path, base, new), "capacity_req_s").unreliable

@@ -74,6 +74,9 @@ def test_trials_fold_to_median_min_max_and_match_levels():
         110.0,
     )
     assert summary["trials"] == 3 and summary["target"] == "engine"
+    # each trial's value, in trial order, for bench.compare's tests on the trials
+    assert summary["capacity_req_s_trials"] == [10.0, 12.0, 11.0]
+    assert level["output_tok_s_trials"] == [100.0, 90.0, 110.0] and rate3["served_req_s_trials"] == [2.9]
 
 
 def test_the_reviewed_budget_file_loads():
