@@ -179,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="measure two commits on this machine, trials interleaved, and compare them (the regression gate)",
         description="Checks out BASE_REF and NEW_REF in git worktrees of their own; for each trial, starts "
         "that side's `python -m server` from its worktree, warms it up, measures the profile's sweep and "
-        "closed loops with this checkout's bench, and stops it; trials interleave base, new, base, new. "
+        "closed loops with this checkout's bench, and stops it; trials come in pairs, base new, new base, "
+        "base new...; while the verdict is unreliable, pairs are added up to --max-trials. "
         "Then `bench compare`'s rule on the pair: exit 1 on a regression, 4 unreliable (rerun), 3 nothing "
         "compared, 2 bad input or a server that did not start.",
     )
@@ -191,6 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--profile", choices=sorted(PROFILES), default="short", help="load per trial (default short)"
     )
     ab.add_argument("--trials", type=int, default=3, help="trials per side (default 3)")
+    ab.add_argument(
+        "--max-trials",
+        type=int,
+        default=None,
+        help="while the verdict is unreliable, add a trial a side up to this many (default: --trials)",
+    )
     ab.add_argument("--repo", default=".", help="the git repository holding both refs")
     ab.add_argument("--work", default="perf-out/ab", help="worktrees, server logs and each side's summary")
     ab.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each server's /health")
@@ -502,12 +509,15 @@ def command_ab(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         parser.error(f"--model {args.model}: not a folder")
     if args.trials < 1:
         parser.error("--trials must be at least 1")
+    if args.max_trials is not None and args.max_trials < args.trials:
+        parser.error(f"--max-trials {args.max_trials} is fewer than --trials {args.trials}")
     config = AbConfig(
         args.base_ref,
         args.new_ref,
         str(Path(args.model).resolve()),
         PROFILES[args.profile],
         trials=args.trials,
+        max_trials=args.max_trials,
         dtype=args.dtype,
         repo=args.repo,
         work_dir=args.work,

@@ -3,7 +3,9 @@ the regression gate (bench.compare's rule) on that pair.
 
 Each ref is checked out in a git worktree of its own and its server (`python -m server`) is started
 from there, so each side runs its own engine and server; this checkout's bench measures both. Trials
-interleave A B A B...: each trial starts that side's server, warms it up (kept out of every figure),
+come in pairs ordered A B, B A, A B... (a steady drift of the machine favours neither side); while
+trials too few to tell a drop from noise leave the comparison unreliable, pairs are added up to
+`max_trials`. Each trial starts that side's server, warms it up (kept out of every figure),
 runs the profile's sweep and closed loops, and stops it, so only one server holds the GPU and slow
 drifts of the machine fall on both sides alike. Each side's trials fold into a summary (median, min,
 max; bench.trials) that `bench compare` reads, and `run_ab` returns their Comparison.
@@ -20,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.client import Endpoint
-from bench.compare import DEFAULT_MAX_DROP, Comparison, compare_results
+from bench.compare import DEFAULT_MAX_DROP, EXIT_UNRELIABLE, Comparison, compare_results
 from bench.launch import ServerProcess, ServerSpec
 from bench.machine import describe_machine
 from bench.metrics import describe_failures
@@ -46,6 +48,9 @@ class AbConfig:
     model_dir: str
     profile: Profile
     trials: int = 3
+    # Up to this many trials a side, one pair at a time, while the comparison is unreliable; None or
+    # no more than `trials`: stop at `trials`.
+    max_trials: int | None = None
     dtype: str = "bfloat16"
     repo: str = "."
     work_dir: str = "perf-out/ab"  # worktrees, server logs, each side's summary
@@ -133,33 +138,66 @@ def run_trial(config: AbConfig, side: str, worktree: Path, number: int) -> dict[
     return trial
 
 
+def pair_order(number: int) -> tuple[str, str]:
+    """The sides of trial pair `number` (1-based): base then new, then new then base, and so on
+    (A B B A A B ...), so a machine that drifts steadily over the job favours neither side."""
+    return SIDES if number % 2 == 1 else (SIDES[1], SIDES[0])
+
+
 def run_ab(config: AbConfig) -> AbResult:
-    """Both refs, `trials` each, interleaved base, new, base, new...; each side's summary written to
-    work_dir/<side>-seed-mix.json; the comparison of new against base."""
+    """Both refs, `trials` each, in pairs ordered A B B A ... (`pair_order`); then, while the
+    comparison is unreliable (trials too few to tell a drop from noise) and fewer than `max_trials`
+    trials a side were run, one more pair. Each side's summary is written to
+    work_dir/<side>-seed-mix.json; returns the comparison of new against base."""
     refs = {"base": config.base_ref, "new": config.new_ref}
     commits = {side: resolve(config.repo, refs[side]) for side in SIDES}
     work = Path(config.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     worktrees: dict[str, Path] = {}
     trials: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
+    max_trials = max(config.trials, config.max_trials or config.trials)
+    machine = describe_machine()
+
+    def measure_pair(number: int, total: int) -> None:
+        for side in pair_order(number):
+            config.log(f"bench ab: trial {number}/{total} of {side} ({commits[side][:12]})")
+            trials[side].append(run_trial(config, side, worktrees[side], number))
+
     try:
         for side in SIDES:
             worktrees[side] = add_worktree(config.repo, commits[side], (work / f"worktree-{side}").resolve())
         for number in range(1, config.trials + 1):
-            for side in SIDES:
-                config.log(f"bench ab: trial {number}/{config.trials} of {side} ({commits[side][:12]})")
-                trials[side].append(run_trial(config, side, worktrees[side], number))
+            measure_pair(number, config.trials)
+        comparison, paths, summaries = _compare(config, refs, commits, trials, machine)
+        while comparison.exit_status() == EXIT_UNRELIABLE and len(trials["base"]) < max_trials:
+            number = len(trials["base"]) + 1
+            config.log(
+                f"bench ab: {len(comparison.unreliable)} row(s) unreliable; one more trial a side "
+                f"({number} of at most {max_trials})"
+            )
+            measure_pair(number, max_trials)
+            comparison, paths, summaries = _compare(config, refs, commits, trials, machine)
     finally:
         for folder in worktrees.values():
             remove_worktree(config.repo, folder)
-    machine = describe_machine()
+    return AbResult(summaries, paths, comparison)
+
+
+def _compare(
+    config: AbConfig,
+    refs: Mapping[str, str],
+    commits: Mapping[str, str],
+    trials: Mapping[str, list[dict[str, Any]]],
+    machine: dict[str, Any],
+) -> tuple[Comparison, dict[str, Path], dict[str, dict[str, Any]]]:
+    """Each side's trials so far folded into its summary (written to work_dir), and their comparison."""
     summaries: dict[str, dict[str, Any]] = {}
     paths: dict[str, Path] = {}
     for side in SIDES:
-        ref = refs[side]
+        count = len(trials[side])
         header = {
-            "target": f"{side} {ref} ({commits[side][:12]})",
-            "ref": ref,
+            "target": f"{side} {refs[side]} ({commits[side][:12]})",
+            "ref": refs[side],
             "commit": commits[side],
             "model": Path(config.model_dir).name,
             "dtype": config.dtype,
@@ -167,7 +205,7 @@ def run_ab(config: AbConfig) -> AbResult:
             "profile": config.profile.name,
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "machine": machine,
-            "ab": {"order": "interleaved, base first", "trials": config.trials},
+            "ab": {"order": "pairs A B, B A, A B, ...", "trials": count, "planned_trials": config.trials},
             "failed_requests": [line for trial in trials[side] for line in trial["failed"]],
         }
         sweeps = [trial["sweep"] for trial in trials[side] if trial["sweep"] is not None]
@@ -175,10 +213,9 @@ def run_ab(config: AbConfig) -> AbResult:
             header=header,
             sweep_trials=sweeps,
             closed_trials=[trial["closed"] for trial in trials[side]],
-            trials=config.trials,
+            trials=count,
         )
         summaries[side] = summary
-        paths[side] = work / f"{side}-seed-mix.json"
+        paths[side] = Path(config.work_dir) / f"{side}-seed-mix.json"
         paths[side].write_text(json.dumps(json_safe(summary), indent=2) + "\n")
-    comparison = compare_results(paths["base"], paths["new"], config.max_drop)
-    return AbResult(summaries, paths, comparison)
+    return compare_results(paths["base"], paths["new"], config.max_drop), paths, summaries

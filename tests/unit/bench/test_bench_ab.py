@@ -95,9 +95,9 @@ def test_a_commit_20_percent_slower_is_caught(repo, tmp_path):
     started = time.monotonic()
     log: list[str] = []
     result = run_ab(_config(repo, tmp_path, "slower", log))
-    # interleaved base, new, base, new..., each trial with a server of its own (its own log)
+    # pairs base new, new base, base new, each trial with a server of its own (its own log)
     sides = [line.split(" of ")[1].split()[0] for line in log if line.startswith("bench ab: trial")]
-    assert sides == ["base", "new"] * 3, log
+    assert sides == ["base", "new", "new", "base", "base", "new"], log
     for side in ("base", "new"):
         logs = sorted(path.name for path in (tmp_path / "ab").glob(f"{side}-server-*.log"))
         assert logs == [f"{side}-server-{n}.log" for n in (1, 2, 3)]
@@ -137,3 +137,66 @@ def test_a_ref_that_does_not_resolve(repo, tmp_path, capsys):
     ]
     assert main(argv) == 2
     assert "error: git rev-parse" in capsys.readouterr().err
+
+
+# -- more trials while the verdict is unreliable (servers replaced by known figures) ----------------
+def _known_trials(monkeypatch, figures: dict[str, list[float]]) -> list[tuple[str, int]]:
+    """run_trial replaced: trial n of a side measures figures[side][n - 1] output tok/s at 8 in flight
+    (everything else the same on both sides). Returns the (side, n) of each trial as it runs."""
+    import bench.ab
+
+    ran: list[tuple[str, int]] = []
+
+    def fake_trial(config, side, worktree, number):
+        ran.append((side, number))
+        level = {"concurrency": CONCURRENCY, "output_tok_s": figures[side][number - 1], "ttft_p50_s": 0.1}
+        level |= {"itl_p50_s": 0.002, "tpot_p50_s": 0.002, "failures": 0}
+        return {"sweep": None, "closed": [level], "failed": []}
+
+    monkeypatch.setattr(bench.ab, "run_trial", fake_trial)
+    return ran
+
+
+def test_an_unreliable_verdict_gets_more_trials_until_it_is_decided(repo, tmp_path, monkeypatch):
+    # 6 % fewer tokens/s (limit 5 %, base band 5 %); after three trials a side the trials overlap too
+    # much to tell (p = 0.055), a fourth pair (new first, as pairs alternate) decides it.
+    ran = _known_trials(
+        monkeypatch, {"base": [100.0, 95.0, 105.0, 100.0, 101.0], "new": [94.0, 93.0, 95.0, 94.0, 94.5]}
+    )
+    log: list[str] = []
+    config = _config(repo, tmp_path, "same", log)
+    config.max_trials = 5
+    result = run_ab(config)
+    assert ran == [
+        ("base", 1),
+        ("new", 1),
+        ("new", 2),
+        ("base", 2),
+        ("base", 3),
+        ("new", 3),
+        ("new", 4),
+        ("base", 4),
+    ]
+    assert any("unreliable; one more trial a side (4 of at most 5)" in line for line in log), log
+    assert [row.metric for row in result.comparison.regressions] == ["output_tok_s"]
+    assert result.summaries["new"]["trials"] == 4 and result.comparison.exit_status() == 1
+
+
+def test_without_max_trials_an_unreliable_verdict_stays_one(repo, tmp_path, monkeypatch):
+    ran = _known_trials(monkeypatch, {"base": [100.0, 95.0, 105.0], "new": [94.0, 93.0, 95.0]})
+    result = run_ab(_config(repo, tmp_path, "same"))
+    assert len(ran) == 6 and result.comparison.exit_status() == 4
+
+
+def test_a_decided_verdict_gets_no_more_trials(repo, tmp_path, monkeypatch):
+    ran = _known_trials(monkeypatch, {"base": [100.0, 99.0, 101.0], "new": [100.5, 99.5, 100.0]})
+    config = _config(repo, tmp_path, "same")
+    config.max_trials = 6
+    assert run_ab(config).comparison.exit_status() == 0 and len(ran) == 6
+
+
+def test_max_trials_fewer_than_trials_is_refused(repo, tmp_path, capsys):
+    argv = ["ab", "base", "same", "--model", str(tmp_path), "--repo", str(repo), "--trials", "3"]
+    with pytest.raises(SystemExit) as stopped:
+        main([*argv, "--max-trials", "2"])
+    assert stopped.value.code == 2 and "--max-trials 2 is fewer than --trials 3" in capsys.readouterr().err

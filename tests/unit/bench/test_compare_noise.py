@@ -119,7 +119,7 @@ def test_two_runs_of_the_same_server_are_not_a_regression():
         caught += (
             decide(figure(base), figure([rng.gauss(95, 1) for _ in range(3)]), "higher", 3.0) == REGRESSION
         )
-    assert verdicts[REGRESSION] <= 4 and verdicts[UNRELIABLE] <= 80  # measured: 0 and 35 of 2,000
+    assert verdicts[REGRESSION] <= 4 and verdicts[UNRELIABLE] <= 20  # measured: 0 and 1 of 2,000
     assert caught >= 1900  # measured: 1,966 of 2,000
 
 
@@ -139,8 +139,8 @@ def test_past_the_band_with_trials_too_few_to_tell_is_unreliable_and_more_trials
 def test_trial_noise_near_the_limit_rarely_fails_a_same_commit_pair():
     # Latency medians whose trials scatter 8 % (the H200's at 32 req/s and at 1 in flight, see
     # test_the_h200_a_a_run_is_not_a_regression) under a 10 % limit, three trials a side. Measured
-    # with seed 1: the rule calls 69 of 2,000 same-server pairs a regression and 149 unreliable; the
-    # band alone called 144 and 474. A 40 % slowdown is still caught 1,983 times.
+    # with seed 1: the rule calls 55 of 2,000 same-server pairs a regression and 160 unreliable; the
+    # band alone called 143 and 475. A 40 % slowdown is caught 1,986 times (the band alone: 1,998).
     rng = random.Random(1)
     verdicts = {OK: 0, UNRELIABLE: 0, REGRESSION: 0}
     caught = 0
@@ -149,7 +149,7 @@ def test_trial_noise_near_the_limit_rarely_fails_a_same_commit_pair():
         verdicts[decide(figure(base), figure([rng.gauss(100, 8) for _ in range(3)]), "lower", 10.0)] += 1
         slow = [rng.gauss(140, 11.2) for _ in range(3)]
         caught += decide(figure(base), figure(slow), "lower", 10.0) == REGRESSION
-    assert verdicts[REGRESSION] <= 100 and verdicts[UNRELIABLE] <= 250
+    assert verdicts[REGRESSION] <= 90 and verdicts[UNRELIABLE] <= 250
     assert caught >= 1900
 
 
