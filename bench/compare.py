@@ -300,8 +300,9 @@ class Comparison:
             text = "no regressions"
         if self.unreliable:
             text += (
-                f"; {len(self.unreliable)} unreliable (past a limit inside the base's noise, or a noisy "
-                "new run): rerun with more trials, or measure both with `bench ab`"
+                f"; {len(self.unreliable)} unreliable (past a limit, but inside the base's noise or with "
+                "trials too few to tell, or a noisy new run): rerun with more trials "
+                "(`bench ab --max-trials`)"
             )
         return text
 
