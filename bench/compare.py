@@ -167,7 +167,7 @@ def decide(base: Figure, new: Figure, direction: str, limit_pct: float | None) -
       only a median, min and max of more than three), past the limit and the band is enough.
     - UNRELIABLE (rerun, more trials: `bench ab --max-trials`): past the limit but inside the base's
       band, or past both but with trials that overlap too much to tell (an A/A of one commit on the
-      H200 lands up to 24 % apart on latency medians with two trials a side); or new's median is
+      H200 landed up to 32 % apart on latency medians with two trials a side); or new's median is
       fine but new's trials scatter significantly more than base's and its worst trial is worse than
       base's median by more than both the limit and the band (a noisy new run is not a pass).
     - OK otherwise. A NaN on either side is never a regression (shown, not decided).
