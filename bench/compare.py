@@ -178,22 +178,20 @@ def decide(base: Figure, new: Figure, direction: str, limit_pct: float | None) -
         return OK
     worsening = _worsening_pct(base.value, new.value, direction)
     band = base.worse_spread_pct(direction)
-    known = base.samples is not None and new.samples is not None
+    base_trials, new_trials = base.samples, new.samples
     if worsening > limit_pct:
         if worsening <= band:
             return UNRELIABLE
-        if not known:
+        if base_trials is None or new_trials is None:
             return REGRESSION
-        assert base.samples is not None and new.samples is not None
-        if separated(base.samples, new.samples, direction) is not False:
+        if separated(base_trials, new_trials, direction) is not False or noisier(base_trials, new_trials):
             return REGRESSION
-        return REGRESSION if noisier(base.samples, new.samples) else UNRELIABLE
+        return UNRELIABLE
     worst = new.low if direction == "higher" else new.high
     if worst is not None and _worsening_pct(base.value, worst, direction) > max(limit_pct, band):
-        if not known:
+        if base_trials is None or new_trials is None:
             return UNRELIABLE
-        assert base.samples is not None and new.samples is not None
-        return UNRELIABLE if noisier(base.samples, new.samples) is not False else OK
+        return UNRELIABLE if noisier(base_trials, new_trials) is not False else OK
     return OK
 
 
