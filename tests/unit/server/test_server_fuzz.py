@@ -4,10 +4,13 @@ numbers, seeds past 2^64, unicode and lone surrogates, nested junk, oversized pr
 chat without max_tokens).
 
 Every answer must be a 2xx, or a 4xx with the OpenAI error body; requests are sent one at a time, so
-nothing is ever pending when one arrives and a 503 is a failure too. No request may take longer than
-REQUEST_TIMEOUT_S. Afterwards the server holds no KV block, is healthy, serves a normal completion,
-and its log holds no traceback. Bounded: a fixed number of examples, derandomized (the same cases
-every run; set FUZZ_RANDOM=1 to explore new ones).
+nothing is ever pending when one arrives and a 503 is a failure too; a stream must end with `data:
+[DONE]`, every event before it JSON. Every request goes out through httpx and its body is read whole:
+schemathesis generates the cases, never sends them (its transport stops reading an event stream after
+some events, so a whole stream looked cut short). No request may take longer than REQUEST_DEADLINE_S,
+a deadline that catches a hang. Afterwards the server holds no KV block, is healthy, serves a normal
+completion, and its log holds no traceback. Bounded: a fixed number of examples, derandomized (the
+same cases every run; set FUZZ_RANDOM=1 to explore new ones).
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_testing import ServerProcess, parse_metrics, sse_payloads
 
-REQUEST_TIMEOUT_S = 15.0  # the longest answer: 64 tokens of the tiny model on a loaded 2-core machine
+# A deadline that catches a hang, not a speed: the longest answer is 64 tokens of the tiny model, well
+# under a second on a quiet 2-core machine.
+REQUEST_DEADLINE_S = 15.0
 MAX_MODEL_LEN = 64
 MAX_PENDING = 8
 SCHEMA_EXAMPLES = 40  # per operation and generation mode (positive, negative)
@@ -66,7 +71,7 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 def check_answer(label: str, status: int, content_type: str, body: bytes, elapsed_s: float) -> None:
     """The invariant of every answer (see the module docstring)."""
     CASES[f"{label} {status}"] += 1
-    assert elapsed_s < REQUEST_TIMEOUT_S
+    assert elapsed_s < REQUEST_DEADLINE_S
     assert status < 500, f"{status}: {body[:500]!r}"
     if 200 <= status < 300:
         if content_type.startswith("text/event-stream"):
@@ -86,26 +91,85 @@ def test_schemathesis_over_the_openapi_document(server: ServerProcess) -> None:
     schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/v1/models"}
-    for operation in operations:
-        label = f"{operation.method.upper()} {operation.path}"
-        if operation.method.upper() != "POST":  # no parameters: nothing negative to generate
-            fuzz_operation(operation.as_strategy(), label, 5, server.url)
-            continue
-        for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
-            fuzz_operation(operation.as_strategy(generation_mode=mode), label, SCHEMA_EXAMPLES, server.url)
+    with httpx.Client(timeout=REQUEST_DEADLINE_S) as client:
+        for operation in operations:
+            label = f"{operation.method.upper()} {operation.path}"
+            if operation.method.upper() != "POST":  # no parameters: nothing negative to generate
+                fuzz_operation(client, operation.as_strategy(), label, 5, server.url)
+                continue
+            for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
+                strategy = operation.as_strategy(generation_mode=mode)
+                fuzz_operation(client, strategy, label, SCHEMA_EXAMPLES, server.url)
 
 
-def fuzz_operation(cases: st.SearchStrategy[Any], label: str, examples: int, url: str) -> None:
+def send_case(client: httpx.Client, case: schemathesis.Case, url: str) -> httpx.Response:
+    """The generated case's request (method, URL, query, headers, body as schemathesis serializes
+    them) sent through httpx, which reads the body whole: schemathesis's own transport stops reading an
+    event stream after some events, and a healthy stream would end without `[DONE]`."""
+    request = case.as_transport_kwargs(base_url=url)
+    headers = dict(request["headers"])
+    if request.get("cookies"):  # httpx takes cookies per client, not per request
+        headers["Cookie"] = "; ".join(f"{name}={value}" for name, value in request["cookies"].items())
+    content: bytes | str | None = request.get("data")
+    if "json" in request:
+        content = json.dumps(request["json"]).encode()  # NaN and Infinity as Python writes them
+    assert content is None or isinstance(content, bytes | str), f"a body httpx cannot send: {content!r}"
+    return client.request(
+        request["method"],
+        request["url"],
+        params=request.get("params") or None,
+        headers=headers,
+        content=content,
+    )
+
+
+def fuzz_operation(
+    client: httpx.Client, cases: st.SearchStrategy[Any], label: str, examples: int, url: str
+) -> None:
     @settings(FUZZ_SETTINGS, max_examples=examples)
     @given(case=cases)
     def run(case: schemathesis.Case) -> None:
         start = time.monotonic()
-        response = case.call(base_url=url, timeout=REQUEST_TIMEOUT_S)
+        response = send_case(client, case, url)
         elapsed = time.monotonic() - start
-        content_type = (response.headers.get("content-type") or [""])[0]  # schemathesis: lists of values
+        content_type = response.headers.get("content-type", "")
         check_answer(label, response.status_code, content_type, response.content, elapsed)
 
     run()
+
+
+# A stream of more events than schemathesis 4.32's transport reads of one (20): read by send_case, it
+# must still end with [DONE] and carry every token.
+LONG_STREAM_TOKENS = 40
+LONG_STREAMS: dict[str, dict[str, Any]] = {
+    "/v1/completions": {"prompt": [1000, 2000, 3000]},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}]},
+}
+
+
+@pytest.mark.parametrize("path", list(LONG_STREAMS))
+def test_a_long_stream_of_a_schema_case_is_read_whole(server: ServerProcess, path: str) -> None:
+    """A case of the server's own schema that streams past where schemathesis's transport stops
+    reading: sent by send_case, it is checked as every generated case is, and its usage chunk (just
+    before [DONE], so only a whole stream has it) counts every token asked for."""
+    schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
+    body: dict[str, Any] = {
+        **LONG_STREAMS[path],
+        "max_tokens": LONG_STREAM_TOKENS,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    case = schema[path]["POST"].Case(body=body, media_type="application/json")
+    with httpx.Client(timeout=REQUEST_DEADLINE_S) as client:
+        start = time.monotonic()
+        response = send_case(client, case, server.url)
+        elapsed = time.monotonic() - start
+    content_type = response.headers.get("content-type", "")
+    assert content_type.startswith("text/event-stream"), (response.status_code, response.text[:500])
+    check_answer(f"POST {path} (long stream)", response.status_code, content_type, response.content, elapsed)
+    events = sse_payloads(response.text)
+    assert events[-2]["usage"]["completion_tokens"] == LONG_STREAM_TOKENS, events[-2]
 
 
 # -- hypothesis bodies --------------------------------------------------------------------------
@@ -235,7 +299,7 @@ BODIES = {
 
 @pytest.mark.parametrize("path", list(BODIES))
 def test_hypothesis_bodies(server: ServerProcess, path: str) -> None:
-    with httpx.Client(base_url=server.url, timeout=REQUEST_TIMEOUT_S) as client:
+    with httpx.Client(base_url=server.url, timeout=REQUEST_DEADLINE_S) as client:
 
         @settings(FUZZ_SETTINGS, max_examples=BODY_EXAMPLES)
         @given(body=BODIES[path])
