@@ -1,17 +1,27 @@
 #!/usr/bin/env bash
-# Installs what the project needs into the current Python, idempotently.
-# torch first: on a machine without it, the CPU build (torch==2.13.0) is taken explicitly, because a
-# plain "torch" requirement would pull a multi-GB CUDA build. A machine that has torch keeps its own.
+# Installs what the project needs into the current Python, idempotently, through the lock
+# (requirements/cpu.txt, refreshed by scripts/lock.sh): every version a user's first run installs is
+# one that the tests have met.
+# - A machine without torch (a CPU machine, CI) gets the locked CPU build of torch (2.13.0+cpu, from
+#   PyTorch's CPU wheel index: a plain "torch" from PyPI would be a multi-GB CUDA build) and the locked
+#   Triton, whose interpreter runs the kernels' tests on CPU.
+# - A machine that has torch (a GPU runner, the device) keeps its torch and Triton; the lock constrains
+#   everything else. A CPU-only torch without the locked Triton still gets that Triton.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+lock=requirements/cpu.txt
+torch_index=(--extra-index-url https://download.pytorch.org/whl/cpu --retries 1)
 if ! "$PY" -c "import torch" 2>/dev/null; then
-  "$PY" -m pip install -q torch==2.13.0
+  "$PY" -m pip install -q -c "$lock" "${torch_index[@]}" torch triton
 fi
-"$PY" -m pip install -q -e ".[dev]"
-# Triton: a CUDA machine uses the one its torch came with. On a CPU-only torch, the kernels are tested
-# through Triton's interpreter, and 3.9.0's runs loops whose bound is loaded from memory (3.6.0's not).
+# The lock less torch and triton, so that a machine's own builds of those two stay as they are.
+others=$(mktemp)
+trap 'rm -f "$others"' EXIT
+grep -v -E '^(torch|triton)==' "$lock" >"$others"
+"$PY" -m pip install -q -c "$others" -e ".[dev]"
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; then
-  "$PY" -c "import triton, sys; sys.exit(0 if triton.__version__ == '3.9.0' else 1)" 2>/dev/null \
-    || "$PY" -m pip install -q triton==3.9.0
+  triton_locked=$(sed -n 's/^triton==//p' "$lock")
+  "$PY" -c "import triton, sys; sys.exit(0 if triton.__version__ == sys.argv[1] else 1)" "$triton_locked" 2>/dev/null \
+    || "$PY" -m pip install -q -c "$lock" triton
 fi

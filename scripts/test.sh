@@ -1,14 +1,31 @@
 #!/usr/bin/env bash
-# The project's test command (CI runs it through .ci/run): set-up, lint, types, workflow lint, unit
-# tests, the Triton kernels through the interpreter, then the perf tier's smoke profile (tiny model on CPU, against the stored CPU result).
+# The project's test command (CI runs it through .ci/run): set-up through the lock, lint, types,
+# workflow lint, the unit tests spread over the machine's cores (pytest-xdist), then the tests that
+# measure speed (marked `serial`) in an invocation of their own, the Triton kernels through the
+# interpreter, and the perf tier's smoke profile (tiny model on CPU). Each step's time is printed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh
-python3 -m ruff check .
-python3 -m ruff format --check .
-python3 -m mypy
-actionlint
-python3 -m pytest tests/unit -q "$@"
+step() {  # NAME COMMAND...: run one step and say how long it took
+  local name=$1 start=$SECONDS
+  shift
+  echo "== $name"
+  "$@"
+  echo "== $name: $((SECONDS - start)) s"
+}
+step install bash scripts/install.sh
+step lint python3 -m ruff check .
+step format python3 -m ruff format --check .
+step types python3 -m mypy
+step "workflow lint" actionlint
+# Independent tests on every core; the speed-measuring ones never run beside other workers.
+step "unit tests" python3 -m pytest tests/unit -q -n auto -m "not perf and not serial" "$@"
+serial_tests() {  # exit 5 (nothing collected) is fine when the arguments select no such test
+  local status=0
+  python3 -m pytest tests/unit -q -m serial -rP "$@" || status=$?
+  [ "$status" -eq 0 ] || [ "$status" -eq 5 ]
+}
+step "unit tests that measure speed (serial)" serial_tests "$@"
 # Triton kernels on CPU through the interpreter (read when triton is imported: its own invocation).
-TRITON_INTERPRET=1 python3 -m pytest tests/unit/kernels -q
-python3 -m pytest -m perf --profile smoke --model tiny --trials 1 -q -rs
+step "kernels under the interpreter" env TRITON_INTERPRET=1 python3 -m pytest tests/unit/kernels -q -n auto
+step "perf smoke" python3 -m pytest -m perf --profile smoke --model tiny --trials 1 -q -rs
+echo "== all steps passed in $SECONDS s"
