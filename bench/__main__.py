@@ -64,6 +64,14 @@ def _list_of(cast: Callable[[str], T]) -> Callable[[str], tuple[T, ...]]:
     return parse
 
 
+def _add_sampling_arguments(group: argparse._ArgumentGroup) -> None:
+    """How every request samples; the same flags for `run` (over HTTP) and `offline`."""
+    group.add_argument(
+        "--temperature", type=float, default=0.0, help="0 (default): greedy; 1.0 is the OpenAI API's default"
+    )
+    group.add_argument("--top-p", type=float, default=1.0, help="nucleus; 1.0 (default) keeps every token")
+
+
 def _token_range(text: str) -> tuple[int, int]:
     low, _, high = text.partition(",")
     try:
@@ -110,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--token-range", type=_token_range, default=(1000, 30000), help="prompt token ids in [LOW,HIGH)"
     )
     workload.add_argument("--seed", type=int, default=0)
+    _add_sampling_arguments(workload)
 
     load = run.add_argument_group("load")
     load.add_argument(
@@ -263,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--token-range", type=_token_range, default=(1000, 30000), help="prompt token ids in [LOW,HIGH)"
     )
     offline_workload.add_argument("--seed", type=int, default=0, help="the workload's seed")
+    _add_sampling_arguments(offline_workload)
     offline_load = offline.add_argument_group("load")
     defaults = OfflineLoad()
     offline_load.add_argument(
@@ -367,6 +377,8 @@ def command_offline(args: argparse.Namespace, parser: argparse.ArgumentParser) -
                 args.input_len,
                 args.output_len,
                 str(Path(args.dataset).resolve()) if args.dataset else None,  # the worker runs elsewhere
+                args.temperature,
+                args.top_p,
             ),
             load=OfflineLoad(
                 n_requests=args.n_requests,
@@ -465,7 +477,14 @@ def command_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     try:
         spec = WorkloadSpec(
-            args.workload, args.seed, args.token_range, args.input_len, args.output_len, args.dataset
+            args.workload,
+            args.seed,
+            args.token_range,
+            args.input_len,
+            args.output_len,
+            args.dataset,
+            args.temperature,
+            args.top_p,
         )
         load = LoadConfig(
             n_requests=args.n_requests,

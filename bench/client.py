@@ -63,12 +63,14 @@ def make_http_client(endpoint: Endpoint) -> aiohttp.ClientSession:
 
 
 def request_body(model: str, request: Request) -> dict[str, object]:
-    """The body both servers get: greedy, EOS ignored so every request generates its whole budget."""
+    """The body both servers get: the workload's sampling (greedy unless it says otherwise), EOS
+    ignored so every request generates its whole budget."""
     return {
         "model": model,
         "prompt": request.prompt,
         "max_tokens": request.max_tokens,
-        "temperature": 0,
+        "temperature": request.temperature,
+        **({"top_p": request.top_p} if request.top_p < 1 else {}),
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},

@@ -29,7 +29,7 @@ class Target(Protocol):
     """What the worker needs of a step-level engine. `step` returns, for each request that advanced,
     (request id, tokens new this step, finished)."""
 
-    def add(self, request_id: str, prompt: list[int] | str, max_tokens: int) -> None: ...
+    def add(self, request_id: str, request: Request) -> None: ...
 
     def step(self) -> list[tuple[str, int, bool]]: ...
 
@@ -64,9 +64,14 @@ class EngineTarget:
             EngineArgs(model=model_dir, dtype=dtype, max_model_len=max_model_len, seed=seed, **options)
         )
 
-    def add(self, request_id: str, prompt: list[int] | str, max_tokens: int) -> None:
-        params = self.sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        self.engine.add_request(request_id, prompt, params)
+    def add(self, request_id: str, request: Request) -> None:
+        params = self.sampling(
+            max_tokens=request.max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            ignore_eos=True,
+        )
+        self.engine.add_request(request_id, request.prompt, params)
 
     def step(self) -> list[tuple[str, int, bool]]:
         return [(out.request_id, len(out.new_token_ids), out.finished) for out in self.engine.step()]
@@ -120,8 +125,14 @@ class VllmTarget:
         self.seen: dict[str, int] = {}  # request id -> tokens reported so far (vLLM's are cumulative)
         self.aliases: dict[str, str] = {}  # an id vLLM assigned -> ours
 
-    def add(self, request_id: str, prompt: list[int] | str, max_tokens: int) -> None:
-        params = self.sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    def add(self, request_id: str, request: Request) -> None:
+        params = self.sampling(
+            max_tokens=request.max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            ignore_eos=True,
+        )
+        prompt = request.prompt
         inputs = {"prompt_token_ids": prompt} if isinstance(prompt, list) else prompt
         assigned = self.engine.add_request(request_id, inputs, params)
         if isinstance(assigned, str) and assigned != request_id:
@@ -215,7 +226,7 @@ class Driver:
             scheduled_s=scheduled_s,
             sent_s=scheduled_s,
         )
-        self.target.add(request_id, request.prompt, request.max_tokens)
+        self.target.add(request_id, request)
         row.sent_s = self.now()
         row.usage_prompt_tokens = request.prompt_len if isinstance(request.prompt, list) else None
         self.rows[request_id] = row

@@ -17,6 +17,9 @@ import numpy as np
 
 SEED_MIX_PROMPT_LENS = (16, 64, 256, 1024, 4096)
 SEED_MIX_OUTPUT_LENS = (64, 128, 256)
+# The sampled variant of a workload: what a typical chat client sends (the OpenAI API's default
+# temperature, a nucleus of 0.95).
+SAMPLED = {"temperature": 1.0, "top_p": 0.95}
 
 # Streams of the seed: request contents and arrival gaps draw from independent generators, so changing
 # the rate never changes which prompts are sent.
@@ -37,6 +40,10 @@ class WorkloadSpec:
     input_len: int = 128  # fixed only
     output_len: int = 128  # fixed only
     dataset: str | None = None  # jsonl only
+    # How every request of the workload samples: greedy (temperature 0) by default, as the stored
+    # baselines were measured; SAMPLED is what a typical chat client sends.
+    temperature: float = 0.0
+    top_p: float = 1.0
 
     def __post_init__(self) -> None:
         low, high = self.token_range
@@ -46,6 +53,14 @@ class WorkloadSpec:
             raise ValueError("the jsonl workload needs a dataset file")
         if self.kind == "fixed" and (self.input_len < 1 or self.output_len < 1):
             raise ValueError("fixed workload needs input_len >= 1 and output_len >= 1")
+        if not self.temperature >= 0:  # NaN fails too
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def sampled(self) -> bool:
+        return self.temperature > 0
 
 
 @dataclass(frozen=True)
@@ -56,6 +71,8 @@ class Request:
     prompt: list[int] | str
     prompt_len: int  # tokens for token-id prompts, whitespace words for text prompts
     max_tokens: int
+    temperature: float = 0.0  # the workload's sampling (WorkloadSpec)
+    top_p: float = 1.0
 
 
 def make_request(spec: WorkloadSpec, index: int) -> Request:
@@ -63,7 +80,7 @@ def make_request(spec: WorkloadSpec, index: int) -> Request:
     if spec.kind == "jsonl":
         entries = load_dataset(spec.dataset or "")
         prompt, max_tokens = entries[index % len(entries)]
-        return Request(index, prompt, len(prompt.split()), max_tokens)
+        return Request(index, prompt, len(prompt.split()), max_tokens, spec.temperature, spec.top_p)
     rng = np.random.default_rng([spec.seed, _PROMPT_STREAM, index])
     if spec.kind == "seed-mix":
         prompt_len = int(rng.choice(SEED_MIX_PROMPT_LENS))
@@ -74,7 +91,7 @@ def make_request(spec: WorkloadSpec, index: int) -> Request:
         raise ValueError(f"unknown workload {spec.kind!r}")
     low, high = spec.token_range
     token_ids = rng.integers(low, high, size=prompt_len).tolist()
-    return Request(index, token_ids, prompt_len, max_tokens)
+    return Request(index, token_ids, prompt_len, max_tokens, spec.temperature, spec.top_p)
 
 
 def arrival_offsets(

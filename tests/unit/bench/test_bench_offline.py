@@ -28,7 +28,7 @@ from bench.offline import (
 )
 from bench.results import load_result, read_rows
 from bench.trials import fold_offline, merge_summaries, summarize_trials
-from bench.workload import WorkloadSpec
+from bench.workload import Request, WorkloadSpec
 
 REPO = Path(__file__).resolve().parents[3]
 BUDGETS_FILE = REPO / "tests" / "perf" / "budgets.toml"
@@ -46,9 +46,9 @@ class PretendTarget:
         self.remaining: dict[str, int] = {}
         self.added: list[tuple[str, int]] = []
 
-    def add(self, request_id: str, prompt: list[int] | str, max_tokens: int) -> None:
-        self.remaining[request_id] = max_tokens
-        self.added.append((request_id, max_tokens))
+    def add(self, request_id: str, request: Request) -> None:
+        self.remaining[request_id] = request.max_tokens
+        self.added.append((request_id, request.max_tokens))
 
     def step(self) -> list[tuple[str, int, bool]]:
         time.sleep(self.step_s)
@@ -99,6 +99,18 @@ def test_closed_loop_adds_a_request_when_one_finishes_until_the_duration_ends():
     for row in rows[2:]:  # every later request was due when an earlier one finished, before 0.1 s
         assert row.scheduled_s in finished and row.scheduled_s < 0.1
     assert all(row.concurrency == 2 and row.mode == "closed" for row in rows)
+
+
+@pytest.mark.parametrize("target_class", [offline_worker.EngineTarget, offline_worker.VllmTarget])
+def test_both_offline_targets_sample_as_the_workload_says(target_class):
+    """The sampling fields reach each target's own SamplingParams (vLLM's has the same names)."""
+    made: list[dict[str, object]] = []
+    target = target_class.__new__(target_class)  # no model: only the mapping to SamplingParams is tested
+    target.sampling = lambda **fields: made.append(fields) or fields
+    target.engine = type("Engine", (), {"add_request": lambda self, *args: None})()
+    target.aliases = {}
+    target.add("r0", Request(0, [1, 2, 3], 3, max_tokens=7, temperature=1.0, top_p=0.95))
+    assert made == [{"max_tokens": 7, "temperature": 1.0, "top_p": 0.95, "ignore_eos": True}]
 
 
 def test_a_request_that_stops_short_is_a_failure():

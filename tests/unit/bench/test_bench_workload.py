@@ -131,3 +131,21 @@ def test_empty_dataset_is_an_error(tmp_path):
     path.write_text('{"other": 1}\n')
     with pytest.raises(ValueError, match="no usable entries"):
         load_dataset(str(path))
+
+
+def test_the_workload_says_how_every_request_samples_and_the_body_carries_it():
+    from bench.client import request_body
+    from bench.workload import SAMPLED
+
+    greedy = request_body("m", make_request(WorkloadSpec(), 3))
+    assert greedy["temperature"] == 0 and "top_p" not in greedy
+    sampled_spec = WorkloadSpec(**SAMPLED)
+    request = make_request(sampled_spec, 3)
+    assert (request.temperature, request.top_p) == (1.0, 0.95)
+    assert request.prompt == make_request(WorkloadSpec(), 3).prompt  # same prompts, other sampling
+    body = request_body("m", request)
+    assert (body["temperature"], body["top_p"], body["ignore_eos"]) == (1.0, 0.95, True)
+    with pytest.raises(ValueError, match="temperature"):
+        WorkloadSpec(temperature=-1.0)
+    with pytest.raises(ValueError, match="top_p"):
+        WorkloadSpec(top_p=0.0)
