@@ -245,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
         "offline",
         help="drive a target's step-level engine in process (no HTTP): all at once, closed loops, probes",
         description="Runs the target in a child process (`python -m bench.offline_worker`; bench never "
-        "imports it), with greedy sampling and ignore_eos, and writes run.json (its `offline` section) and "
+        "imports it), with the workload's sampling (greedy unless --temperature says otherwise) and ignore_eos, and writes run.json (its `offline` section) and "
         "requests.csv. vLLM is imported through $PERF_VLLM_ENV when that is set.",
     )
     offline.add_argument("--target", choices=["engine", "vllm"], required=True)
