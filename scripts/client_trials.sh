@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# vLLM's own benchmark client (`vllm bench serve`) against each target's server, one server at a time
+# on one GPU: start it (`python -m bench serve`), one discarded warm-up run, RUNS measured runs with the
+# given flags, stop it; then a table of each run's output tokens/s, TPOT p50 and TTFT p50 and each
+# target's medians. This is how a user with a client this project did not write sees the two servers
+# (e.g. with no --temperature: the client's default, sampled at the server's temperature 1.0).
+#
+# usage: scripts/client_trials.sh MODEL_DIR OUT_DIR [vllm bench serve flags...]
+#   e.g. scripts/client_trials.sh /tmp/qwen OUT --dataset-name random --random-input-len 1024 \
+#          --random-output-len 128 --num-prompts 300 --max-concurrency 64 --ignore-eos
+# env:   TARGETS ("vllm engine"), RUNS (2), WARMUP_PROMPTS (64), PERF_VLLM_ENV (a staged vLLM's env
+#        file, sourced for vLLM's server and client only; see bench/launch.py), DTYPE (bfloat16)
+# Writes OUT_DIR/TARGET-N.json (vLLM's result files), OUT_DIR/TARGET-server.log, OUT_DIR/summary.json.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+usage="usage: scripts/client_trials.sh MODEL_DIR OUT_DIR [vllm bench serve flags...]"
+model=${1:?$usage}
+out=${2:?$usage}
+shift 2
+mkdir -p "$out"
+vllm_client() {  # FLAGS...: vLLM's client, with the staged site's env file sourced in its own shell
+  local cmd=(python3 -m vllm.entrypoints.cli.main bench serve --backend openai --endpoint /v1/completions
+    --tokenizer "$model" --disable-tqdm --save-result --percentile-metrics ttft,tpot,itl,e2el
+    --metric-percentiles 50,99 "$@")
+  if [ -n "${PERF_VLLM_ENV:-}" ]; then bash -c 'source "$0" && exec "$@"' "$PERF_VLLM_ENV" "${cmd[@]}"; else "${cmd[@]}"; fi
+}
+status=0
+for target in ${TARGETS:-vllm engine}; do
+  info=$out/$target-server.json
+  echo "== $target: starting its server"
+  if ! python3 -m bench serve --target "$target" --model "$model" --dtype "${DTYPE:-bfloat16}" \
+    --info "$info" --log "$out/$target-server.log" >"$out/$target-start.log" 2>&1; then
+    tail -n 30 "$out/$target-start.log" "$out/$target-server.log"; status=3; continue
+  fi
+  base_url=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["base_url"])' "$info")
+  pid=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["pid"])' "$info")
+  served=$(python3 -c 'import sys; from bench.probe import first_model; print(first_model(sys.argv[1]))' "$base_url")
+  common=(--base-url "${base_url%/v1}" --model "$served")
+  vllm_client "${common[@]}" "$@" --num-prompts "${WARMUP_PROMPTS:-64}" --result-dir "$out" \
+    --result-filename "$target-warmup.json" >"$out/$target-warmup.log" 2>&1 || { tail -n 30 "$out/$target-warmup.log"; status=4; }
+  for run in $(seq 1 "${RUNS:-2}"); do
+    echo "== $target: run $run"
+    vllm_client "${common[@]}" "$@" --result-dir "$out" --result-filename "$target-$run.json" \
+      >"$out/$target-$run.log" 2>&1 || { tail -n 30 "$out/$target-$run.log"; status=4; }
+  done
+  kill -TERM -- "-$pid" 2>/dev/null
+  for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+done
+python3 - "$out" <<'PY'
+import json, statistics, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+summary = {}
+for target in ("vllm", "engine"):
+    runs = []
+    for path in sorted(out.glob(f"{target}-[0-9]*.json")):
+        data = json.loads(path.read_text())
+        runs.append({"run": path.name, "output_tok_s": data["output_throughput"], "tpot_p50_ms": data["median_tpot_ms"],
+                     "ttft_p50_ms": data["median_ttft_ms"], "completed": data["completed"], "failed": data.get("failed", 0)})
+    if runs:
+        summary[target] = {"runs": runs, **{k: statistics.median(r[k] for r in runs) for k in ("output_tok_s", "tpot_p50_ms", "ttft_p50_ms")}}
+(out / "summary.json").write_text(json.dumps(summary, indent=1))
+for target, entry in summary.items():
+    for r in entry["runs"]:
+        print(f"{target:7s} {r['run']:16s} {r['output_tok_s']:9.1f} tok/s  TPOT p50 {r['tpot_p50_ms']:6.2f} ms  TTFT p50 {r['ttft_p50_ms']:7.1f} ms  completed {r['completed']} failed {r['failed']}")
+if "vllm" in summary and "engine" in summary:
+    print(f"engine / vLLM output tok/s: {summary['engine']['output_tok_s'] / summary['vllm']['output_tok_s']:.3f}; "
+          f"TPOT p50 {summary['engine']['tpot_p50_ms'] / summary['vllm']['tpot_p50_ms']:.3f}")
+PY
+exit $status
