@@ -1,7 +1,8 @@
-"""What the figures were measured on: GPU, driver, CPU model, cores, host, library versions.
+"""What the figures were measured on: GPU, driver, CPU model, cores, host, boot, library versions.
 
-pytest-benchmark records none of the GPU facts, and the perf tier flags a stored baseline measured on
-another machine, so the description is made here once, from nvidia-smi and /proc (no torch import).
+pytest-benchmark records none of the GPU facts, and the perf tier judges a stored engine reference
+only on the machine that measured it (`same_machine`), so the description is made here once, from
+nvidia-smi and /proc (no torch import).
 """
 
 from __future__ import annotations
@@ -57,6 +58,14 @@ def gpu_slug(gpu_name: str | None) -> str:
     return re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-")
 
 
+def boot_id() -> str | None:
+    """The kernel's id of this boot (Linux), or None: a fresh VM, or one rebooted, has a new one."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
+
+
 def describe_machine(engine_version: str | None = None) -> dict[str, Any]:
     """engine_version: the caller's, when the engine is not an installed package (bench never imports it)."""
     gpu = _nvidia_smi("name")
@@ -68,6 +77,7 @@ def describe_machine(engine_version: str | None = None) -> dict[str, Any]:
         "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "hostname": socket.gethostname(),
+        "boot_id": boot_id(),
         "python": platform.python_version(),
         "torch": _version("torch"),
         "engine": engine_version or _version("paged-engine"),
@@ -76,7 +86,9 @@ def describe_machine(engine_version: str | None = None) -> dict[str, Any]:
 
 
 def same_machine(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
-    """Same GPU, CPU model, core count and host; unknown (missing) descriptions count as different."""
-    if not a or not b:
+    """Same GPU, CPU model, core count, host name and boot; unknown (missing) descriptions or boot ids
+    count as different. The boot id is what tells two lent VMs apart when they share a generic host
+    name ("vm"), CPU model and core count: a fresh CI machine never matches a stored reference."""
+    if not a or not b or not a.get("boot_id"):
         return False
-    return all(a.get(key) == b.get(key) for key in ("gpu", "cpu_model", "cpu_count", "hostname"))
+    return all(a.get(key) == b.get(key) for key in ("gpu", "cpu_model", "cpu_count", "hostname", "boot_id"))

@@ -1,6 +1,7 @@
 """The perf tier as a gate, against bench's fake server (`--server-url`): no reference is a skip, or a
 failure under PERF_REQUIRE_REFERENCE=1 (perf.yml sets it); a stored reference is drawn in the report
-beside the run; --save-baseline refuses a run whose budgets failed."""
+beside the run; --save-baseline refuses a run whose budgets failed; a stored engine reference from
+another machine is shown, not judged."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from perf_tier_process import run_perf_tier
 
 from bench.fake_server import FakeServerConfig, FakeServerProcess
+from bench.machine import describe_machine
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -41,8 +43,8 @@ def test_no_reference_skips_or_fails_when_one_is_required(fake_url, tmp_path):
     assert "1 failed" in required.stdout and "--target both" in required.stdout
 
 
-def test_the_report_draws_the_reference_and_a_failed_run_is_not_stored(fake_url, tmp_path):
-    # A stored engine reference 10x faster than the fake server: the [engine] budgets fail.
+def fast_reference(path: Path, machine: dict | None) -> Path:
+    """A stored engine reference 10x faster than the fake server, measured on `machine`."""
     reference = {
         "target": "engine",
         "date": "2026-01-01",
@@ -50,9 +52,15 @@ def test_the_report_draws_the_reference_and_a_failed_run_is_not_stored(fake_url,
         "capacity_req_s": None,
         "open_loop": [],
         "closed_loop": [{"concurrency": 1.0, "trials": 3, "output_tok_s": 1e7, "ttft_p50_s": 0.001}],
+        "machine": machine,
     }
-    path = tmp_path / "reference.json"
     path.write_text(json.dumps(reference))
+    return path
+
+
+def test_the_report_draws_the_reference_and_a_failed_run_is_not_stored(fake_url, tmp_path):
+    # Measured on this machine: the [engine] budgets are judged, and fail.
+    path = fast_reference(tmp_path / "reference.json", describe_machine())
     model = "gate-test-model"  # --save-baseline would store under baselines/cpu/<model>/
     stored = REPO / "baselines" / "cpu" / model
     assert not stored.exists()
@@ -72,6 +80,31 @@ def test_the_report_draws_the_reference_and_a_failed_run_is_not_stored(fake_url,
             for file in stored.iterdir():
                 file.unlink()
             stored.rmdir()
+
+
+def test_an_engine_reference_from_another_machine_is_shown_not_judged(fake_url, tmp_path):
+    # The same reference, from a host that is not this one: the figure's ratio and budget are shown,
+    # the run passes; under PERF_REQUIRE_REFERENCE=1 a case that judged nothing fails.
+    other = dict(describe_machine(), hostname="another-host")
+    path = fast_reference(tmp_path / "reference.json", other)
+    run = perf_tier(fake_url, tmp_path / "out", "--baseline", str(path), "--model", "gate-test-model")
+    assert run.returncode == 0, run.stdout[-2000:]
+    (line,) = [line for line in run.stdout.splitlines() if line.startswith("  concurrency 1 output_tok_s:")]
+    assert "vs reference 1e+07" in line and "(budget >= 0.65x)" in line, line
+    assert line.endswith("shown (reference from another machine)"), line
+    assert "budgets: 0 judged (0 failed), 1 shown (reference from another machine), 0 skipped" in run.stdout
+    assert "timings shown with their ratios, not judged" in run.stdout
+    required = perf_tier(
+        fake_url,
+        tmp_path / "required",
+        "--baseline",
+        str(path),
+        "--model",
+        "gate-test-model",
+        env={"PERF_REQUIRE_REFERENCE": "1"},
+    )
+    assert required.returncode == 1, required.stdout[-2000:]
+    assert "a case that judged nothing fails" in required.stdout
 
 
 def test_a_skipped_offline_case_writes_no_model(fake_url, tmp_path):

@@ -17,11 +17,14 @@ from bench.budgets import (
     check_closed,
     check_offline,
     check_sweep,
+    judged_here,
     load_budgets,
     may_store_baseline,
+    shown_only,
+    tally,
 )
 from bench.launch import ServerProcess, ServerSpec, engine_args, free_port, vllm_args
-from bench.machine import gpu_slug, same_machine
+from bench.machine import describe_machine, gpu_slug, same_machine
 from bench.results import load_result
 from bench.trials import merge_summaries, summarize_trials
 
@@ -36,10 +39,15 @@ def test_gpu_slug():
 
 
 def test_same_machine_needs_every_field_equal():
-    a = {"gpu": "NVIDIA H200", "cpu_model": "EPYC", "cpu_count": 16, "hostname": "h1"}
+    a = {"gpu": "NVIDIA H200", "cpu_model": "EPYC", "cpu_count": 16, "hostname": "h1", "boot_id": "b1"}
     assert same_machine(a, dict(a))
     assert not same_machine(a, dict(a, hostname="h2"))
     assert not same_machine(a, None)
+    # two lent VMs named alike, with one CPU model and core count: told apart by their boots
+    assert not same_machine(a, dict(a, boot_id="b2"))
+    unknown = dict(a, boot_id=None)
+    assert not same_machine(unknown, dict(unknown))
+    assert same_machine(describe_machine(), describe_machine())  # this machine, this boot
 
 
 def test_trials_fold_to_median_min_max_and_match_levels():
@@ -225,6 +233,53 @@ def test_budget_check_capacity_boundary():
     assert not BudgetCheck("rate 1/s", "ttft_p50_s", 0.21, 0.1, 2.0).passed
     assert not BudgetCheck("sweep", "capacity_req_s", math.nan, 10.0, 0.5).passed
     assert "FAILS" in BudgetCheck("sweep", "capacity_req_s", 1.0, 10.0, 0.5).describe()
+
+
+def test_an_engine_reference_is_judged_only_on_its_own_machine_a_vllm_one_anywhere():
+    assert judged_here("engine", same_machine=True)
+    assert not judged_here("engine", same_machine=False)
+    assert judged_here("vllm", same_machine=False)  # budgets 30 % under the ratio: the hosts' spread
+
+
+def test_a_shown_check_never_fails_on_its_budget_but_a_broken_figure_does():
+    judged = [
+        BudgetCheck("offline all", "output_tok_s", 40.0, 100.0, 0.65),  # 0.4x: misses its budget
+        BudgetCheck("offline probes", "single_tpot_s", 0.001, 0.002, 1.6),  # holds
+        BudgetCheck("concurrency 4", "output_tok_s", math.nan, 100.0, 0.65),  # not a number
+        BudgetCheck("concurrency 1", "output_tok_s", math.inf, 100.0, 0.65),
+        BudgetCheck("c", "output_tok_s", math.nan, math.nan, math.nan, skipped="no level"),
+    ]
+    assert [c.failed for c in judged] == [True, False, True, True, False]
+    shown = shown_only(judged)
+    assert [c.failed for c in shown] == [False, False, True, True, False]
+    lines = [c.describe() for c in shown]
+    assert lines[0] == (
+        "offline all output_tok_s: 40 vs reference 100 = 0.400x (budget >= 0.65x) "
+        "shown (reference from another machine)"
+    )
+    assert lines[2] == "concurrency 4 output_tok_s: not a finite number (budget >= 0.65x) FAILS"
+    assert judged[0].describe().endswith("(budget >= 0.65x) FAILS")
+    assert tally(shown) == (
+        "budgets: 0 judged (0 failed), 2 shown (reference from another machine), 2 broken (failed), 1 skipped"
+    )
+    assert (
+        tally(judged)
+        == "budgets: 2 judged (1 failed), 0 shown (reference from another machine), 2 broken (failed), 1 skipped"
+    )
+
+
+def test_an_offline_figure_the_reference_has_and_this_run_lacks_fails_anywhere():
+    budgets = _budgets(offline_output_tok_s={"all": 0.65}, offline_prefill_tok_s=0.65)
+    reference = {"offline": {"all": {"output_tok_s": 100.0}, "probes": {"prefill_tok_s": 900.0}}}
+    ours = {"all": {"output_tok_s": 90.0}}  # the probes entry is gone
+    checks = shown_only(check_offline(ours, reference, budgets))
+    assert [(c.level, c.metric, c.failed) for c in checks] == [
+        ("offline all", "output_tok_s", False),
+        ("offline probes", "prefill_tok_s", True),
+    ]
+    assert checks[1].describe() == (
+        "offline probes prefill_tok_s: this run has no offline probes prefill_tok_s (budget >= 0.65x) FAILS"
+    )
 
 
 def test_server_commands_follow_the_baseline_definition():
