@@ -1,8 +1,9 @@
 """The model runner: the only place where scheduling decisions become tensors.
 
 It loads the model, sizes and owns the paged KV cache, turns a SchedulerOutput into the step's input
-tensors plus AttentionMetadata (`prepare`: numpy into one pinned buffer, one host-to-device copy), and
-queues the forward pass and the sampler (`launch`, whose tokens arrive through PendingTokens). Within a
+tensors plus AttentionMetadata (`prepare`: numpy into one pinned buffer, one host-to-device copy; the
+sampler stages its per-row settings the same way), and queues the forward pass and the sampler
+(`launch`, whose tokens arrive through PendingTokens). Within a
 batch, single-token queries (decodes) go first so the attention backend can batch them; a decode of a
 token the step in flight samples reads it on the device. A decode-only batch on CUDA replays a
 captured graph (engine.cuda_graphs) when the backend allows it; other steps run eagerly.
@@ -23,10 +24,11 @@ from engine.config import ModelConfig
 from engine.cuda_graphs import CudaGraphRunner
 from engine.loader import iter_weights
 from engine.models import MODEL_CLASSES
-from engine.sampler import sample
+from engine.sampler import Sampler, SamplerConfig, SamplingBatch
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
 from engine.sequence import PLACEHOLDER
+from engine.sequence import Sequence as SequenceState  # collections.abc's Sequence is taken
 from engine.step_buffers import BlockTableRows, StepBuffers, StepCapacity
 
 logger = logging.getLogger(__name__)
@@ -55,10 +57,15 @@ class Batch:
     metadata: AttentionMetadata
     num_sampled: int
     sample_order: list[int]  # for each sampled row, its rank among the sampling sequences of the step
-    params: list[SamplingParams]
-    generators: list[torch.Generator | None]
+    sampled: list[SequenceState]  # the sequences of the sampled rows, in row order
+    sampling: SamplingBatch
     graph_size: int = 0  # > 0: replay the decode graph captured for this (padded) batch size
     num_fed: int = 0  # rows whose input token is the previous step's sampled token, still on the device
+
+    @property
+    def params(self) -> list[SamplingParams]:
+        """The sampled rows' settings (bench.host_cost reads whether a step samples from it)."""
+        return [seq.params for seq in self.sampled]
 
 
 class ModelRunner:
@@ -70,7 +77,6 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len
         self.seed = config.seed
-        self._generators: dict[int, torch.Generator] = {}
         self.backend = get_backend(config.attention_backend, config.device)
         model_class = MODEL_CLASSES[model_config.model_type]
         # The Triton backend brings the fused elementwise kernels with it (one fast path); the torch
@@ -93,6 +99,7 @@ class ModelRunner:
             StepCapacity(config.max_num_batched_tokens, max_seqs, max_blocks), config.device
         )
         self.tables = BlockTableRows(max_seqs, max_blocks)
+        self.sampler = Sampler(SamplerConfig(model_config.vocab_size, max_seqs, config.device, config.seed))
         self.graphs: CudaGraphRunner | None = None
         # Where sampled tokens land on the host: pinned, so the copy back does not block the host; two,
         # since a step's copy can land before the host has read the previous step's tokens.
@@ -246,6 +253,7 @@ class ModelRunner:
         """block_tables: each scheduled sequence's table (by seq_id), already grown for this step."""
         for seq in out.preempted:  # their blocks were freed: the cached rows are stale
             self.tables.drop(seq.seq_id)
+            self.sampler.preempted(seq.seq_id)  # and their penalty counts rebuilt when they resume
         buffers = self.buffers
         buffers.flip()
         items = out.scheduled
@@ -262,8 +270,7 @@ class ModelRunner:
         feed_rows: list[int] = []
         feed_sources: list[int] = []
         sample_order: list[int] = []
-        params: list[SamplingParams] = []
-        generators: list[torch.Generator | None] = []
+        sampled: list[SequenceState] = []
         sampling_rank = (
             {id(item): rank for rank, item in enumerate(i for i in out.scheduled if i.samples)}
             if not in_order
@@ -286,8 +293,7 @@ class ModelRunner:
                 sample_index[seq.seq_id] = len(sample_rows)
                 sample_rows.append(end - 1)
                 sample_order.append(len(sample_order) if sampling_rank is None else sampling_rank[id(item)])
-                params.append(seq.params)
-                generators.append(None if seq.params.greedy else self._generator(seq.seq_id, seq.params))
+                sampled.append(seq)
         meta = self._fill(
             np.array(starts, dtype=np.int64), np.array(query_lens, dtype=np.int64), token_ids, rows
         )
@@ -307,8 +313,8 @@ class ModelRunner:
             metadata=meta,
             num_sampled=len(sample_rows),
             sample_order=sample_order,
-            params=params,
-            generators=generators,
+            sampled=sampled,
+            sampling=self.sampler.prepare(sampled),
             graph_size=graph_size,
             num_fed=len(feed_rows),
         )
@@ -321,21 +327,8 @@ class ModelRunner:
         buffers.host_slot_mapping[n:size] = -1
         buffers.host_seq_lens[n:size] = 0
 
-    def _generator(self, seq_id: int, params: SamplingParams) -> torch.Generator | None:
-        if params.greedy:
-            return None
-        generator = self._generators.get(seq_id)
-        if generator is None:
-            generator = torch.Generator(device=self.device)
-            # An unseeded request still draws reproducibly, from the engine's seed and its arrival order.
-            generator.manual_seed(
-                params.seed if params.seed is not None else hash((self.seed, seq_id)) & (2**63 - 1)
-            )
-            self._generators[seq_id] = generator
-        return generator
-
     def release(self, seq_id: int) -> None:
-        self._generators.pop(seq_id, None)
+        self.sampler.release(seq_id)
         self.tables.drop(seq_id)
 
     @torch.inference_mode()
@@ -357,11 +350,11 @@ class ModelRunner:
                     buffers.input_ids[: batch.num_tokens], buffers.positions[: batch.num_tokens]
                 )
         self._last_sample_index = self._next_sample_index
-        if not batch.params:
+        if not batch.num_sampled:
             self._last_tokens = None
             return PendingTokens(None, None, [])
         logits = self.model.compute_logits(hidden[buffers.sample_indices[: batch.num_sampled]])
-        tokens = sample(logits, batch.params, batch.generators)
+        tokens = self.sampler.sample(logits, batch.sampling)
         self._last_tokens = tokens
         if self.device.type != "cuda":
             return PendingTokens(tokens, None, batch.sample_order)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.sampler import apply_top_k_top_p
+from engine.sampler import FilterMethod, filter_cutoffs
 
 PROMPT = [1234, 5678, 9012, 3456]
 
@@ -45,20 +45,46 @@ def test_top_k_one_equals_greedy(llm):
     assert _tokens(llm, temperature=1.0, top_k=1, seed=11) == _tokens(llm, temperature=0.0)
 
 
-def test_top_p_keeps_only_the_nucleus():
+METHODS = [
+    FilterMethod("sort"),
+    FilterMethod("prefix", prefix=2),
+    FilterMethod("prefix"),
+    FilterMethod("bisect"),
+]
+
+
+def _kept(logits: torch.Tensor, method: FilterMethod, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0):
+    """Which tokens of a one-row logits tensor the filters keep."""
+    vocab = logits.shape[1]
+    cutoff = filter_cutoffs(
+        logits,
+        torch.zeros(1, dtype=torch.int32),
+        torch.ones(1),
+        torch.tensor([top_k if top_k > 0 else vocab], dtype=torch.int32),
+        torch.tensor([top_p]),
+        torch.tensor([min_p]),
+        k_max=top_k,
+        top_p_alone=top_p < 1.0 and top_k == 0,
+        method=method,
+    )
+    return (logits[0] >= cutoff[0]).tolist()
+
+
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: f"{m.top_p}-{m.prefix}")
+def test_top_p_keeps_only_the_nucleus(method):
     logits = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.07, 0.03]]))
     # Smallest set reaching 0.8: {0.5, 0.25, 0.15}, since 0.5 + 0.25 = 0.75 < 0.8.
-    masked = apply_top_k_top_p(logits, torch.tensor([0]), torch.tensor([0.8]))
-    assert torch.isfinite(masked[0]).tolist() == [True, True, True, False, False]
-    masked = apply_top_k_top_p(logits, torch.tensor([0]), torch.tensor([0.75]))
-    assert torch.isfinite(masked[0]).tolist() == [True, True, False, False, False]
+    assert _kept(logits, method, top_p=0.8) == [True, True, True, False, False]
+    assert _kept(logits, method, top_p=0.7) == [True, True, False, False, False]
     # The most likely token survives even a tiny top_p; top-k applies first.
-    masked = apply_top_k_top_p(logits, torch.tensor([0]), torch.tensor([0.01]))
-    assert torch.isfinite(masked[0]).tolist() == [True, False, False, False, False]
-    masked = apply_top_k_top_p(logits, torch.tensor([2]), torch.tensor([1.0]))
-    assert torch.isfinite(masked[0]).tolist() == [True, True, False, False, False]
-    # Surviving logits are unchanged.
-    assert torch.equal(masked[0, :2], logits[0, :2])
+    assert _kept(logits, method, top_p=0.01) == [True, False, False, False, False]
+    assert _kept(logits, method, top_k=2) == [True, True, False, False, False]
+    # top-p renormalizes over what top-k kept: 0.5 / 0.9 > 0.5, so {0.5} alone reaches 0.5.
+    assert _kept(logits, method, top_k=3, top_p=0.5) == [True, False, False, False, False]
+    # min-p keeps p >= min_p * p_max: 0.25 / 0.5 >= 0.3, 0.15 / 0.5 = 0.3 is at the edge, dropped here.
+    assert _kept(logits, method, min_p=0.4) == [True, True, False, False, False]
+    # top-p over what min-p kept: {0.5, 0.25, 0.15} renormalized, 0.5 / 0.9 < 0.6 <= 0.75 / 0.9.
+    assert _kept(logits, method, min_p=0.2, top_p=0.6) == [True, True, False, False, False]
 
 
 def test_top_p_sampling_only_draws_from_the_nucleus(llm):
