@@ -34,7 +34,9 @@ class _SamplingRequest(_Schema):
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: int | None = None  # vLLM's extra sampling fields: top_k, min_p, repetition_penalty
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -42,18 +44,14 @@ class _SamplingRequest(_Schema):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = 1
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     user: str | None = None
 
     def check_supported(self) -> None:
         """Refuse, naming the field, what the engine cannot honour (rather than silently ignore it)."""
         if self.n not in (None, 1):
             raise bad_request("only n=1 is supported", "n")
-        if self.presence_penalty:
-            raise bad_request("presence_penalty is not supported", "presence_penalty")
-        if self.frequency_penalty:
-            raise bad_request("frequency_penalty is not supported", "frequency_penalty")
 
     @property
     def include_usage(self) -> bool:
@@ -65,6 +63,10 @@ class _SamplingRequest(_Schema):
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            presence_penalty=0.0 if self.presence_penalty is None else self.presence_penalty,
+            frequency_penalty=0.0 if self.frequency_penalty is None else self.frequency_penalty,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,

@@ -129,18 +129,13 @@ async def test_non_finite_temperature_is_400(api: httpx.AsyncClient, value: byte
 
 CHAT_BODY = {"messages": [{"role": "user", "content": "hi"}]}
 # (path, field, value, words of the message): what the engine cannot honour is refused, never ignored.
-# Presence and frequency penalties would need each sequence's generated tokens in the sampler, whose
-# last token is still on the device under async scheduling (engine/runner.py): not cheap, so refused.
+# (The penalties and min_p are served: tests/unit/server/test_server_sampling.py.)
 REFUSED: list[tuple[str, str, Any, str]] = [
-    (COMPLETION, "presence_penalty", 0.5, "presence_penalty is not supported"),
-    (COMPLETION, "frequency_penalty", -0.5, "frequency_penalty is not supported"),
     (COMPLETION, "suffix", "tail", "suffix is not supported"),
     (COMPLETION, "n", 2, "only n=1 is supported"),
     (COMPLETION, "logprobs", 0, "logprobs are not supported"),
     (COMPLETION, "echo", True, "echo is not supported"),
     (COMPLETION, "best_of", 3, "only best_of=1 is supported"),
-    (CHAT, "presence_penalty", 1.0, "presence_penalty is not supported"),
-    (CHAT, "frequency_penalty", 2.0, "frequency_penalty is not supported"),
     (CHAT, "top_logprobs", 2, "top_logprobs are not supported"),
     (CHAT, "n", 4, "only n=1 is supported"),
     (CHAT, "logprobs", True, "logprobs are not supported"),
@@ -156,7 +151,7 @@ async def test_refused_parameters_are_400_with_their_message(
     assert_error(response, 400, field)
     assert response.json()["error"]["message"] == message
     # Their neutral values (what clients send by default) are accepted.
-    neutral = {"presence_penalty": 0, "frequency_penalty": 0, "n": 1, "best_of": 1, "echo": False}
+    neutral = {"n": 1, "best_of": 1, "echo": False}
     if field in neutral:
         accepted = await api.post(path, json={**body, field: neutral[field]})
         assert accepted.status_code == 200, accepted.text
