@@ -9,6 +9,10 @@ trials too few to tell a drop from noise leave the comparison unreliable, pairs 
 runs the profile's sweep and closed loops, and stops it, so only one server holds the GPU and slow
 drifts of the machine fall on both sides alike. Each side's trials fold into a summary (median, min,
 max; bench.trials) that `bench compare` reads, and `run_ab` returns their Comparison.
+
+The pairing (`run_pairs`), one trial's measurement against a warm server (`measure`) and the fold and
+comparison (`fold_side`, `compare_sides`) serve any two servers measured on one machine, not only two
+commits: tests/unit/bench/test_smoke_catches_slowdown.py holds a 2x slowed engine to the normal one.
 """
 
 from __future__ import annotations
@@ -144,78 +148,124 @@ def pair_order(number: int) -> tuple[str, str]:
     return SIDES if number % 2 == 1 else (SIDES[1], SIDES[0])
 
 
+Trials = dict[str, list[dict[str, Any]]]  # side -> its trials so far, in the order they ran
+
+
+def run_pairs(
+    measure_side: Callable[[str, int], dict[str, Any]],
+    compare: Callable[[Trials], Comparison],
+    trials: int,
+    max_trials: int | None = None,
+    log: Callable[[str], None] = print,
+    labels: Mapping[str, str] | None = None,
+) -> tuple[Trials, Comparison]:
+    """`trials` pairs of trials ordered A B, B A, ... (`pair_order`; `measure_side(side, number)`
+    measures one); then, while `compare` of the trials so far says unreliable (trials too few to tell
+    a drop from noise) and fewer than `max_trials` trials a side have run, one more pair. Returns each
+    side's trials and the last comparison. `labels` name the sides in the log (a commit, a setting)."""
+    measured: Trials = {side: [] for side in SIDES}
+    limit = max(trials, max_trials or trials)
+
+    def measure_pair(number: int, total: int) -> None:
+        for side in pair_order(number):
+            log(f"bench ab: trial {number}/{total} of {side}{f' ({labels[side]})' if labels else ''}")
+            measured[side].append(measure_side(side, number))
+
+    for number in range(1, trials + 1):
+        measure_pair(number, trials)
+    comparison = compare(measured)
+    while comparison.exit_status() == EXIT_UNRELIABLE and len(measured["base"]) < limit:
+        number = len(measured["base"]) + 1
+        log(
+            f"bench ab: {len(comparison.unreliable)} row(s) unreliable; one more trial a side "
+            f"({number} of at most {limit})"
+        )
+        measure_pair(number, limit)
+        comparison = compare(measured)
+    return measured, comparison
+
+
+def fold_side(header: Mapping[str, Any], trials: list[dict[str, Any]]) -> dict[str, Any]:
+    """One side's trials (`measure`'s shape) folded into a summary as the perf tier writes them:
+    `header`, then each figure's median, min, max and each trial's value (bench.trials)."""
+    return summarize_trials(
+        header={**header, "failed_requests": [line for trial in trials for line in trial["failed"]]},
+        sweep_trials=[trial["sweep"] for trial in trials if trial["sweep"] is not None],
+        closed_trials=[trial["closed"] for trial in trials],
+        trials=len(trials),
+    )
+
+
+def compare_sides(
+    summaries: Mapping[str, dict[str, Any]], work_dir: str | Path, max_drop: Mapping[str, float]
+) -> tuple[Comparison, dict[str, Path]]:
+    """Each side's summary written to work_dir/<side>-seed-mix.json, and new compared with base by
+    the gate's rule (bench.compare) at `max_drop`."""
+    paths = {side: Path(work_dir) / f"{side}-seed-mix.json" for side in SIDES}
+    for side in SIDES:
+        paths[side].write_text(json.dumps(json_safe(summaries[side]), indent=2) + "\n")
+    return compare_results(paths["base"], paths["new"], max_drop), paths
+
+
 def run_ab(config: AbConfig) -> AbResult:
-    """Both refs, `trials` each, in pairs ordered A B B A ... (`pair_order`); then, while the
-    comparison is unreliable (trials too few to tell a drop from noise) and fewer than `max_trials`
-    trials a side were run, one more pair. Each side's summary is written to
-    work_dir/<side>-seed-mix.json; returns the comparison of new against base."""
+    """Both refs, `trials` each, in pairs ordered A B B A ... (`run_pairs`), each trial a server of
+    its own (`run_trial`), more pairs while the comparison is unreliable, up to `max_trials`. Each
+    side's summary is written to work_dir/<side>-seed-mix.json; returns the comparison of new
+    against base."""
     refs = {"base": config.base_ref, "new": config.new_ref}
     commits = {side: resolve(config.repo, refs[side]) for side in SIDES}
     work = Path(config.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     worktrees: dict[str, Path] = {}
-    trials: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
-    max_trials = max(config.trials, config.max_trials or config.trials)
     machine = describe_machine()
 
-    def measure_pair(number: int, total: int) -> None:
-        for side in pair_order(number):
-            config.log(f"bench ab: trial {number}/{total} of {side} ({commits[side][:12]})")
-            trials[side].append(run_trial(config, side, worktrees[side], number))
+    def summaries(trials: Trials) -> dict[str, dict[str, Any]]:
+        return {
+            side: fold_side(_header(config, refs, commits, side, trials, machine), trials[side])
+            for side in SIDES
+        }
 
     try:
         for side in SIDES:
             worktrees[side] = add_worktree(config.repo, commits[side], (work / f"worktree-{side}").resolve())
-        for number in range(1, config.trials + 1):
-            measure_pair(number, config.trials)
-        comparison, paths, summaries = _compare(config, refs, commits, trials, machine)
-        while comparison.exit_status() == EXIT_UNRELIABLE and len(trials["base"]) < max_trials:
-            number = len(trials["base"]) + 1
-            config.log(
-                f"bench ab: {len(comparison.unreliable)} row(s) unreliable; one more trial a side "
-                f"({number} of at most {max_trials})"
-            )
-            measure_pair(number, max_trials)
-            comparison, paths, summaries = _compare(config, refs, commits, trials, machine)
+        trials, _ = run_pairs(
+            lambda side, number: run_trial(config, side, worktrees[side], number),
+            lambda trials: compare_sides(summaries(trials), work, config.max_drop)[0],
+            config.trials,
+            config.max_trials,
+            config.log,
+            labels={side: commits[side][:12] for side in SIDES},
+        )
     finally:
         for folder in worktrees.values():
             remove_worktree(config.repo, folder)
-    return AbResult(summaries, paths, comparison)
+    folded = summaries(trials)
+    comparison, paths = compare_sides(folded, work, config.max_drop)
+    return AbResult(folded, paths, comparison)
 
 
-def _compare(
+def _header(
     config: AbConfig,
     refs: Mapping[str, str],
     commits: Mapping[str, str],
-    trials: Mapping[str, list[dict[str, Any]]],
+    side: str,
+    trials: Trials,
     machine: dict[str, Any],
-) -> tuple[Comparison, dict[str, Path], dict[str, dict[str, Any]]]:
-    """Each side's trials so far folded into its summary (written to work_dir), and their comparison."""
-    summaries: dict[str, dict[str, Any]] = {}
-    paths: dict[str, Path] = {}
-    for side in SIDES:
-        count = len(trials[side])
-        header = {
-            "target": f"{side} {refs[side]} ({commits[side][:12]})",
-            "ref": refs[side],
-            "commit": commits[side],
-            "model": Path(config.model_dir).name,
-            "dtype": config.dtype,
-            "workload": config.workload.kind,
-            "profile": config.profile.name,
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "machine": machine,
-            "ab": {"order": "pairs A B, B A, A B, ...", "trials": count, "planned_trials": config.trials},
-            "failed_requests": [line for trial in trials[side] for line in trial["failed"]],
-        }
-        sweeps = [trial["sweep"] for trial in trials[side] if trial["sweep"] is not None]
-        summary = summarize_trials(
-            header=header,
-            sweep_trials=sweeps,
-            closed_trials=[trial["closed"] for trial in trials[side]],
-            trials=count,
-        )
-        summaries[side] = summary
-        paths[side] = Path(config.work_dir) / f"{side}-seed-mix.json"
-        paths[side].write_text(json.dumps(json_safe(summary), indent=2) + "\n")
-    return compare_results(paths["base"], paths["new"], config.max_drop), paths, summaries
+) -> dict[str, Any]:
+    """What a side's summary says about it besides its figures: ref, commit, model, profile, machine."""
+    return {
+        "target": f"{side} {refs[side]} ({commits[side][:12]})",
+        "ref": refs[side],
+        "commit": commits[side],
+        "model": Path(config.model_dir).name,
+        "dtype": config.dtype,
+        "workload": config.workload.kind,
+        "profile": config.profile.name,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": machine,
+        "ab": {
+            "order": "pairs A B, B A, A B, ...",
+            "trials": len(trials[side]),
+            "planned_trials": config.trials,
+        },
+    }
