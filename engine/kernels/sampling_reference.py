@@ -52,12 +52,16 @@ def row_states(key_lo: torch.Tensor, key_hi: torch.Tensor, position: torch.Tenso
     return mix32(state ^ as_uint32(key_lo))
 
 
-def uniforms(states: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[rows] states -> [rows, vocab] float32 uniforms, odd multiples of 2^-24: in [2^-24, 1 - 2^-24],
-    so log(u) and log(-log(u)) are finite (23 random bits; 1 - 2^-25 would round to 1.0 in float32)."""
-    index = torch.arange(vocab, dtype=torch.int64, device=states.device)
-    bits = mix32((states[:, None] + mul32(index, GOLDEN)[None, :]) & MASK32)
+def uniform_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    """int64 hash values in [0, 2^32) -> float32 odd multiples of 2^-24, in [2^-24, 1 - 2^-24]: never
+    0 or 1, so log(u) and log(-log(u)) are finite (23 random bits; 1 - 2^-25 would round to 1.0)."""
     return ((bits >> 9).to(torch.float32) * 2.0 + 1.0) * TWO_POW_MINUS_24
+
+
+def uniforms(states: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows] states -> [rows, vocab] float32 uniforms, one for each (row, vocabulary index)."""
+    index = torch.arange(vocab, dtype=torch.int64, device=states.device)
+    return uniform_from_bits(mix32((states[:, None] + mul32(index, GOLDEN)[None, :]) & MASK32))
 
 
 def gumbel_noise(states: torch.Tensor, vocab: int) -> torch.Tensor:

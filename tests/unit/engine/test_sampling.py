@@ -81,7 +81,7 @@ def test_top_p_keeps_only_the_nucleus(method):
     assert _kept(logits, method, top_k=2) == [True, True, False, False, False]
     # top-p renormalizes over what top-k kept: 0.5 / 0.9 > 0.5, so {0.5} alone reaches 0.5.
     assert _kept(logits, method, top_k=3, top_p=0.5) == [True, False, False, False, False]
-    # min-p keeps p >= min_p * p_max: 0.25 / 0.5 >= 0.3, 0.15 / 0.5 = 0.3 is at the edge, dropped here.
+    # min-p keeps p >= min_p * p_max: 0.25 / 0.5 >= 0.4 stays, 0.15 / 0.5 = 0.3 < 0.4 goes.
     assert _kept(logits, method, min_p=0.4) == [True, True, False, False, False]
     # top-p over what min-p kept: {0.5, 0.25, 0.15} renormalized, 0.5 / 0.9 < 0.6 <= 0.75 / 0.9.
     assert _kept(logits, method, min_p=0.2, top_p=0.6) == [True, True, False, False, False]
@@ -138,3 +138,53 @@ def test_extreme_but_valid_values_sample_without_failing_the_step(llm, params):
 
 def test_tiny_temperature_is_greedy(llm):
     assert _tokens(llm, temperature=1e-300, seed=1) == _tokens(llm, temperature=0.0)
+
+
+def _mixed_requests() -> tuple[list[list[int]], list[SamplingParams]]:
+    """A seeded request of each kind beside unseeded, greedy and penalized ones."""
+    prompts = [[100 + i for i in range(30)], PROMPT, [2000, 2001], [5000 + 3 * i for i in range(12)], [77]]
+    params = [
+        SamplingParams(max_tokens=10, temperature=1.0),
+        SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, min_p=0.05, seed=21, ignore_eos=True),
+        SamplingParams(max_tokens=6, temperature=0.0),
+        SamplingParams(
+            max_tokens=16, temperature=1.1, top_k=40, presence_penalty=0.5, seed=8, ignore_eos=True
+        ),
+        SamplingParams(max_tokens=12, temperature=0.7, repetition_penalty=1.2, seed=13, ignore_eos=True),
+    ]
+    return prompts, params
+
+
+def test_seeded_requests_repeat_alone_batched_and_chunked(llm, tiny_model_dir):
+    prompts, params = _mixed_requests()
+    alone = {i: llm.generate([prompts[i]], params[i])[0].token_ids for i in (1, 3, 4)}
+    batched = llm.generate(prompts, params)
+    chunked = LLM(
+        str(tiny_model_dir), device="cpu", num_kv_blocks=64, max_model_len=512, max_num_batched_tokens=16
+    ).generate(prompts, params)
+    for i, tokens in alone.items():
+        assert batched[i].token_ids == tokens
+        assert chunked[i].token_ids == tokens
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_on_and_off_draw_the_same_seeded_tokens(tiny_model_dir):
+    """float32, so graph replay and eager steps compute the same logits; the draws are keyed by seed
+    and output position, never by generator state, so they must agree token for token."""
+    import gc
+
+    prompts, params = _mixed_requests()
+    results = {}
+    for eager in (False, True):
+        llm = LLM(
+            str(tiny_model_dir), device="cuda", dtype="float32", max_model_len=1024, enforce_eager=eager
+        )
+        assert (llm.engine.runner.graphs is None) == eager
+        outputs = llm.generate(prompts, params)
+        results[eager] = [outputs[i].token_ids for i in (1, 3, 4)]
+        alone = llm.generate([prompts[1]], params[1])[0].token_ids
+        assert alone == results[eager][0]
+        del llm, outputs
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert results[False] == results[True]

@@ -1,0 +1,234 @@
+"""The sampling kernels against their torch reference (engine/kernels/sampling_reference.py).
+
+sample_rows: token ids must equal the reference's exactly. Both compute the same integer hash, the
+same float32 uniforms and the same Gumbel transform; only the last bits of log (and an FMA the compiler
+may fuse) can differ, which changes a draw only when two candidates' scores are within float32
+rounding of each other. The interpreter matches exactly; on CUDA a differing token must be such a
+near-tie under the reference's own scores (NEAR_TIE), and there must be almost none.
+
+top_p_cutoffs: the bisection kernel must find the reference's cutoff (a full sort), exactly, on rows
+where no candidate's cumulative mass lies within float32 summation error of top_p.
+
+CPU (interpreter): tiny shapes, float32 logits (the sampler always gets float32). CUDA (gpu): the
+vocabulary of qwen2.5 (151,936) at 1, 64 and 256 rows, and replay from a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels.sampling import sample_rows, top_p_cutoffs
+from engine.kernels.sampling_reference import (
+    gumbel_noise,
+    row_states,
+    sample_reference,
+    top_p_cutoffs_reference,
+)
+
+ON_CUDA = torch.cuda.is_available()
+requires_cuda = pytest.mark.skipif(not ON_CUDA, reason="needs a CUDA device")
+NEAR_TIE = 1e-4  # score gap (logits) under which float32 rounding may decide the draw
+
+
+def make_rows(rows: int, vocab: int, device: torch.device, seed: int = 0, scale: float = 2.0):
+    """Logits, temperatures (some 0: argmax rows), and the parameter columns of a [rows, 11] table,
+    as the sampler keeps them (strided views sharing one stride)."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(rows, vocab, generator=generator) * scale).to(device)
+    table = torch.zeros(rows, 11, dtype=torch.int32)
+    temperature = torch.rand(rows, generator=generator) * 1.5 + 0.2
+    temperature[::4] = 0.0
+    table[:, 0] = temperature.view(torch.int32)
+    table[:, 7:9] = torch.randint(-(2**31), 2**31 - 1, (rows, 2), dtype=torch.int32, generator=generator)
+    table[:, 10] = torch.randint(0, 5000, (rows,), dtype=torch.int32, generator=generator)
+    table = table.to(device)
+    return logits, table[:, 0].view(torch.float32), table[:, 7], table[:, 8], table[:, 10]
+
+
+def assert_same_tokens(
+    actual: torch.Tensor, logits, temperature, cutoff, key_lo, key_hi, position, exact: bool
+):
+    expected = sample_reference(logits, temperature, cutoff, key_lo, key_hi, position)
+    differ = (actual != expected).nonzero()[:, 0]
+    if exact or len(differ) == 0:
+        assert torch.equal(actual, expected)
+        return
+    scores = logits + temperature[:, None] * gumbel_noise(
+        row_states(key_lo, key_hi, position), logits.shape[1]
+    )
+    if cutoff is not None:
+        scores = scores.masked_fill(logits < cutoff[:, None], float("-inf"))
+    for row in differ.tolist():
+        gap = scores[row, expected[row]] - scores[row, actual[row]]
+        assert 0 <= gap.item() < NEAR_TIE, (
+            f"row {row}: token {actual[row]} scores {gap.item()} below the best"
+        )
+    assert len(differ) <= max(1, len(actual) // 100)
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 1), (4, 5), (9, 100), (3, 1000), (2, 5000)])
+def test_sample_rows_matches_reference(device, rows, vocab):
+    logits, temperature, key_lo, key_hi, position = make_rows(rows, vocab, device, seed=vocab)
+    tokens = sample_rows(logits, temperature, key_lo, key_hi, position)
+    assert tokens.dtype == torch.int64 and tokens.shape == (rows,)
+    assert_same_tokens(tokens, logits, temperature, None, key_lo, key_hi, position, exact=not ON_CUDA)
+    argmax_rows = temperature == 0
+    assert torch.equal(tokens[argmax_rows], logits[argmax_rows].argmax(-1))
+
+
+def test_sample_rows_with_cutoffs_never_draws_below_them(device):
+    rows, vocab = 16, 300
+    logits, temperature, key_lo, key_hi, position = make_rows(rows, vocab, device, seed=3)
+    temperature.fill_(5.0)  # hot: without the cutoff most draws would land below it
+    cutoff = logits.sort(dim=-1, descending=True).values[:, torch.arange(rows) % 7].diagonal().contiguous()
+    cutoff[3] = float("-inf")
+    tokens = sample_rows(logits, temperature, key_lo, key_hi, position, cutoff=cutoff)
+    assert (logits.gather(1, tokens[:, None])[:, 0] >= cutoff).all()
+    assert_same_tokens(tokens, logits, temperature, cutoff, key_lo, key_hi, position, exact=not ON_CUDA)
+
+
+def test_argmax_rows_break_ties_as_torch(device):
+    logits = torch.zeros(3, 40, device=device)
+    logits[0, [5, 9, 30]] = 1.0  # ties within one block and across blocks
+    logits[1] = float("-inf")
+    logits[2, 39] = 2.0
+    zeros = torch.zeros(3, dtype=torch.int32, device=device)
+    tokens = sample_rows(logits, torch.zeros(3, device=device), zeros, zeros, zeros)
+    assert tokens.tolist() == logits.argmax(-1).tolist() == [5, 0, 39]
+
+
+def test_same_key_and_position_same_token_any_row(device):
+    """A draw depends on (key, position, logits) only: not on its row or its neighbours."""
+    rows, vocab = 12, 64
+    logits, temperature, key_lo, key_hi, position = make_rows(rows, vocab, device, seed=5)
+    temperature.fill_(1.0)
+    tokens = sample_rows(logits, temperature, key_lo, key_hi, position)
+    order = torch.arange(rows - 1, -1, -1, device=device)
+    shuffled = sample_rows(
+        logits[order].contiguous(),
+        temperature[order].contiguous(),
+        key_lo[order].contiguous(),
+        key_hi[order].contiguous(),
+        position[order].contiguous(),
+    )
+    assert torch.equal(shuffled, tokens[order])
+
+
+def _nucleus_case(rows: int, vocab: int, device: torch.device, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(rows, vocab, generator=generator) * 3).to(device)
+    temperature = (torch.rand(rows, generator=generator) + 0.5).to(device)
+    top_p = torch.tensor([0.9, 0.5, 0.99, 0.2, 0.75, 0.97, 1e-6, 0.6][:rows], device=device)
+    lower = torch.full((rows,), float("-inf"), device=device)
+    lower[1::3] = logits[1::3].amax(-1) - 2.5  # min-p's cutoff on some rows
+    return logits, temperature, top_p, lower
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 300, 5000])
+def test_top_p_bisection_matches_the_sort(device, vocab):
+    rows = 8
+    logits, temperature, top_p, lower = _nucleus_case(rows, vocab, device, seed=vocab)
+    expected = top_p_cutoffs_reference(logits, temperature, top_p, lower)
+    needs = torch.ones(rows, dtype=torch.int32, device=device)
+    needs[2] = 0  # skipped: left as it was
+    cutoff = torch.full((rows,), 123.0, device=device)
+    index = torch.arange(rows, dtype=torch.int32, device=device)
+    top_p_cutoffs(logits, index, temperature, top_p, lower, needs, cutoff)
+    assert cutoff[2].item() == 123.0
+    keep = needs.bool()
+    assert torch.equal(cutoff[keep], expected[keep])
+
+
+def test_top_p_bisection_reads_the_rows_it_is_given(device):
+    logits, temperature, top_p, lower = _nucleus_case(8, 64, device, seed=11)
+    rows = torch.tensor([5, 0, 5], dtype=torch.int32, device=device)
+    pick = rows.long()
+    cutoff = torch.empty(3, device=device)
+    top_p_cutoffs(
+        logits,
+        rows,
+        temperature[pick].contiguous(),
+        top_p[pick].contiguous(),
+        lower[pick].contiguous(),
+        torch.ones(3, dtype=torch.int32, device=device),
+        cutoff,
+    )
+    expected = top_p_cutoffs_reference(logits[pick], temperature[pick], top_p[pick], lower[pick])
+    assert torch.equal(cutoff, expected)
+
+
+BAD_CALLS = [  # (what the message names, call given logits [4, 16] float32 and int32 zeros [4])
+    ("logits must be", lambda x, z, t: sample_rows(x[0], t, z, z, z)),
+    ("logits has dtype", lambda x, z, t: sample_rows(x.half(), t, z, z, z)),
+    ("temperature has shape", lambda x, z, t: sample_rows(x, t[:3], z, z, z)),
+    ("key_lo has dtype", lambda x, z, t: sample_rows(x, t, z.long(), z, z)),
+    ("cutoff has shape", lambda x, z, t: sample_rows(x, t, z, z, z, cutoff=t[:2])),
+    ("needs has dtype", lambda x, z, t: top_p_cutoffs(x, z, t, t, t, z.float(), t.clone())),
+]
+
+
+@pytest.mark.parametrize("message,call", BAD_CALLS, ids=[message for message, _ in BAD_CALLS])
+def test_bad_inputs_raise_value_error_naming_the_problem(device, message, call):
+    logits = torch.randn(4, 16, device=device)
+    with pytest.raises(ValueError, match=message):
+        call(logits, torch.zeros(4, dtype=torch.int32, device=device), torch.ones(4, device=device))
+
+
+# -- CUDA at the real vocabulary ---------------------------------------------------------------------
+VOCAB = 151_936
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("rows", [1, 64, 256])
+def test_gpu_real_vocabulary_matches_reference(rows):
+    device = torch.device("cuda")
+    logits, temperature, key_lo, key_hi, position = make_rows(rows, VOCAB, device, seed=rows)
+    tokens = sample_rows(logits, temperature, key_lo, key_hi, position)
+    assert_same_tokens(tokens, logits, temperature, None, key_lo, key_hi, position, exact=False)
+    cutoff = logits.topk(50, dim=-1).values[:, -1].contiguous()
+    tokens = sample_rows(logits, temperature, key_lo, key_hi, position, cutoff=cutoff)
+    assert (logits.gather(1, tokens[:, None])[:, 0] >= cutoff).all()
+    assert_same_tokens(tokens, logits, temperature, cutoff, key_lo, key_hi, position, exact=False)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("rows", [1, 64])
+def test_gpu_top_p_bisection_at_the_real_vocabulary(rows):
+    device = torch.device("cuda")
+    generator = torch.Generator().manual_seed(rows)
+    logits = (torch.randn(rows, VOCAB, generator=generator) * 4).to(device)
+    temperature = torch.ones(rows, device=device)
+    top_p = torch.full((rows,), 0.9, device=device)
+    lower = torch.full((rows,), float("-inf"), device=device)
+    expected = top_p_cutoffs_reference(logits, temperature, top_p, lower)
+    cutoff = torch.empty(rows, device=device)
+    index = torch.arange(rows, dtype=torch.int32, device=device)
+    top_p_cutoffs(logits, index, temperature, top_p, lower, torch.ones_like(index), cutoff)
+    # The kept sets may differ only by tokens whose cumulative mass sits within float32 summation
+    # error (1e-5 of the row's mass) of top_p.
+    kept_kernel = (logits >= cutoff[:, None]).sum(-1)
+    kept_reference = (logits >= expected[:, None]).sum(-1)
+    assert ((kept_kernel - kept_reference).abs() <= 0.0002 * kept_reference + 2).all()
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_cuda_graph_replay_reads_new_inputs():
+    device = torch.device("cuda")
+    logits, temperature, key_lo, key_hi, position = make_rows(64, VOCAB, device)
+    out = torch.empty(64, dtype=torch.int64, device=device)
+    sample_rows(logits, temperature, key_lo, key_hi, position, out=out)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sample_rows(logits, temperature, key_lo, key_hi, position, out=out)
+    new_logits, _, new_lo, _, new_position = make_rows(64, VOCAB, device, seed=9)
+    logits.copy_(new_logits)
+    key_lo.copy_(new_lo)
+    position.copy_(new_position)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_same_tokens(out, logits, temperature, None, key_lo, key_hi, position, exact=False)
