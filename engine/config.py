@@ -107,6 +107,9 @@ class EngineArgs:
     seed: int = 0
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
     attention_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere), torch or triton
+    # Share the KV of prompt prefixes earlier requests computed (block_allocator), as vLLM and SGLang
+    # do by default.
+    enable_prefix_caching: bool = True
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -126,8 +129,9 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Per-step limits of the scheduler."""
+    """Per-step limits of the scheduler, and whether it looks prompts up in the prefix cache."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    enable_prefix_caching: bool = True

@@ -77,10 +77,22 @@ class RequestOutput:
 
 @dataclass(frozen=True)
 class EngineStats:
+    """A snapshot for /metrics and tools. KV blocks: used = referenced by a request, cached =
+    unreferenced but kept for the prefix cache, free = neither (total - used - cached). The prefix
+    cache counts are tokens since start (`Scheduler.prefix_cache_queries` and `_hits`)."""
+
     num_running: int
     num_waiting: int
     kv_blocks_used: int
     kv_blocks_total: int
+    kv_blocks_cached: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Hits / queries since start (0 before any query)."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 @dataclass
@@ -164,7 +176,10 @@ class LLMEngine:
         self.runner.capture_graphs()
         self.cache_config = CacheConfig(block_size=args.block_size, num_blocks=num_blocks)
         self.scheduler_config = SchedulerConfig(
-            self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len
+            self.max_num_seqs,
+            self.max_num_batched_tokens,
+            self.max_model_len,
+            enable_prefix_caching=args.enable_prefix_caching,
         )
         self.allocator = BlockAllocator(num_blocks, args.block_size)
         self.scheduler = Scheduler(self.scheduler_config, self.allocator, self.model_config.eos_token_ids)
@@ -174,7 +189,7 @@ class LLMEngine:
         self._in_flight: tuple[SchedulerOutput, PendingTokens] | None = None
         self.timer = StepTimer()  # per-phase wall time of `step`, read by bench offline and engine.profile
         logger.info(
-            "engine ready: %s on %s in %s, %d KV blocks of %d tokens, %s attention, %s",
+            "engine ready: %s on %s in %s, %d KV blocks of %d tokens, %s attention, %s, prefix caching %s",
             args.model,
             self.device,
             self.dtype,
@@ -182,6 +197,7 @@ class LLMEngine:
             args.block_size,
             self.runner.backend.name,
             "CUDA graphs" if self.runner.graphs is not None else "eager",
+            "on" if args.enable_prefix_caching else "off",
         )
 
     def _num_kv_blocks(self) -> int:
@@ -343,7 +359,15 @@ class LLMEngine:
             self.scheduler.num_waiting,
             self.allocator.num_used_blocks,
             self.allocator.num_blocks,
+            self.allocator.num_cached_blocks,
+            self.scheduler.prefix_cache_queries,
+            self.scheduler.prefix_cache_hits,
         )
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix block (as vLLM's reset_prefix_cache), e.g. between benchmark
+        levels that repeat prompts; returns how many blocks became free. Running requests go on."""
+        return self.scheduler.reset_prefix_cache()
 
     def config_dict(self) -> dict[str, Any]:
         """Every option in force, with derived values filled in."""

@@ -19,6 +19,18 @@ when its prompt is fully computed.
 PLACEHOLDER token; max_tokens and the context limit finish sequences here), `commit` writes the
 sampled tokens in and finishes sequences on EOS or a stop token; `update` does both at once. The
 engine schedules step N+1 between the two, while step N is still on the GPU.
+
+Prefix caching (config.enable_prefix_caching): a sequence being admitted first looks its full blocks
+up in the allocator (block_allocator.hash_block explains the hash chain). The blocks found are shared,
+their tokens count as computed, and its first chunk starts after them. At most (num_tokens - 1) //
+block_size blocks are taken: the last token is always computed, since its logits give the next token,
+and the block it falls in is computed whole into a block of the sequence's own, so a shared block is
+never written (as vLLM V1 does). Example, block size 4, budget 8: A, a 10-token prompt, runs and its
+blocks of tokens 0-3 and 4-7 are registered. B, A's first 8 tokens and 3 others (11), finds both:
+num_computed_tokens = 8, and its first step computes tokens 8-10 (3 tokens, not 11). C, exactly A's
+first 8 tokens, may take (8 - 1) // 4 = 1 block: it computes tokens 4-7 into a block of its own.
+A block is registered once its tokens are computed (or being computed by a launched step) and known
+(no PLACEHOLDER among them), in `advance` and `commit`: prompt blocks and generated ones alike.
 """
 
 from __future__ import annotations
@@ -26,7 +38,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.block_allocator import BlockAllocator
+from engine.block_allocator import BlockAllocator, hash_block
 from engine.config import SchedulerConfig
 from engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
@@ -69,6 +81,10 @@ class Scheduler:
         self.running: list[Sequence] = []  # arrival order: the newest is last
         self._by_request: dict[str, Sequence] = {}
         self.num_preemptions = 0  # since start: a gauge of KV pressure for tests and metrics
+        # Since start, in tokens: those looked up in the prefix cache at admission (each admitted
+        # sequence's, a resumed one's again) and those of them found cached, as vLLM counts them.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     # -- queue -----------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -135,7 +151,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.allocator.release(seq.seq_id)
+        self.allocator.release(seq.seq_id)  # only its references: blocks others share stay in use
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -144,16 +160,56 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting sequences in order; each starts after the blocks the prefix cache holds for it
+        (a waiting sequence holds no blocks: num_computed_tokens is 0 until here)."""
+        block_size = self.allocator.block_size
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            num = min(seq.num_uncomputed_tokens, budget)
-            if not self.allocator.grow(seq.seq_id, seq.num_computed_tokens + num):
+            cached = self._cached_prefix(seq)
+            num_cached = len(cached) * block_size
+            num = min(seq.num_tokens - num_cached, budget)
+            if not self.allocator.allocate(seq.seq_id, cached, num_cached + num):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
+            seq.num_computed_tokens = num_cached
+            if self.config.enable_prefix_caching:
+                self.prefix_cache_queries += seq.num_tokens
+                self.prefix_cache_hits += num_cached
             self._insert_running(seq)
-            out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num))
+            out.scheduled.append(ScheduledSequence(seq, num_cached, num))
             budget -= num
+
+    # -- prefix cache ----------------------------------------------------------------------------
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks seq may start on: at most (num_tokens - 1) // block_size, so that its
+        last token is computed (its logits give the next token) into a block of its own."""
+        if not self.config.enable_prefix_caching:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.allocator.block_size
+        self._hash_blocks(seq, max_blocks)
+        return self.allocator.match_prefix(seq.block_hashes, max_blocks)
+
+    def _hash_blocks(self, seq: Sequence, num_blocks: int) -> None:
+        """Extend seq.block_hashes to its first num_blocks full blocks, or as many as hold only
+        committed tokens (a PLACEHOLDER's value is unknown). Each block is hashed once."""
+        block_size = self.allocator.block_size
+        hashes = seq.block_hashes
+        num_blocks = min(num_blocks, (seq.num_tokens - seq.num_pending) // block_size)
+        for index in range(len(hashes), num_blocks):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, seq.token_slice(index * block_size, (index + 1) * block_size)))
+
+    def _cache_blocks(self, seq: Sequence) -> None:
+        """Register seq's full blocks whose tokens are computed (the step that computes them was
+        launched) and committed, so later sequences can share them."""
+        ready = min(seq.num_computed_tokens, seq.num_tokens - seq.num_pending) // self.allocator.block_size
+        self._hash_blocks(seq, ready)
+        self.allocator.cache_blocks(seq.seq_id, seq.block_hashes, ready)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block (the allocator's reset_prefix_cache); returns how many."""
+        return self.allocator.reset_prefix_cache()
 
     def _insert_running(self, seq: Sequence) -> None:
         """Keep `running` in arrival order: a resumed (preempted) sequence is older than some running."""
@@ -170,11 +226,15 @@ class Scheduler:
         keeping their last, pending token. Returns them."""
         finished: list[Sequence] = []
         max_model_len = self.config.max_model_len
+        caching, block_size = self.config.enable_prefix_caching, self.allocator.block_size
         for item in out.scheduled:
             seq = item.seq
             if seq.is_finished:  # aborted after scheduling
                 continue
             seq.num_computed_tokens = item.start + item.num_tokens
+            # A one-token step (a decode) can complete a block only on a block boundary.
+            if caching and (item.num_tokens > 1 or seq.num_computed_tokens % block_size == 0):
+                self._cache_blocks(seq)
             if not item.samples:
                 continue
             seq.output_token_ids.append(PLACEHOLDER)
@@ -189,6 +249,7 @@ class Scheduler:
         placeholders and stop on EOS or a stop token. Returns the sequences this finished."""
         finished: list[Sequence] = []
         tokens = iter(sampled_token_ids)
+        caching, block_size = self.config.enable_prefix_caching, self.allocator.block_size
         for item in out.scheduled:
             if not item.samples:
                 continue
@@ -198,6 +259,13 @@ class Scheduler:
                 continue
             seq.output_token_ids[len(seq.output_token_ids) - seq.num_pending] = token
             seq.num_pending -= 1
+            # The token may complete a block whose KV is computed: only if it ends on a block boundary.
+            if (
+                caching
+                and seq.status is SequenceStatus.RUNNING
+                and (seq.num_tokens - seq.num_pending) % block_size == 0
+            ):
+                self._cache_blocks(seq)
             if not self._is_stop_token(seq, token):
                 continue
             if seq.is_finished:  # its length limit was reached with this very token: a stop wins

@@ -2,8 +2,9 @@
 
 Plain Python, no torch. A sequence moves WAITING -> RUNNING -> FINISHED, and back from RUNNING to
 WAITING when preempted: its generated tokens are kept, its KV is dropped and recomputed later
-(num_computed_tokens returns to 0), so no token is lost or produced twice. While a step is on the
-GPU its sampled token is a PLACEHOLDER at the end of output_token_ids (num_pending counts them).
+(num_computed_tokens returns to 0, or to what the prefix cache still holds), so no token is lost or
+produced twice. While a step is on the GPU its sampled token is a PLACEHOLDER at the end of
+output_token_ids (num_pending counts them).
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ class Sequence:
     finish_reason: str | None = None  # "stop", "length" or "abort"
     num_preemptions: int = 0
     num_pending: int = 0  # trailing output tokens still PLACEHOLDER (their step is in flight)
+    # The prefix cache's hash of each full block of committed tokens so far (block_allocator.hash_block),
+    # kept across preemption: the tokens do not change, and a resumed sequence looks itself up.
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:
