@@ -29,6 +29,12 @@ OVERLOAD_MAX_TOKENS = 32
 STORM_REQUESTS = 1_000
 STORM_CONCURRENCY = 100
 STORM_MAX_TOKENS = 8
+# Storm prompts start with 0, 1, 1.5 or 2 blocks (of 16) of this, so dropped requests share cached and
+# in-use prefix blocks: disconnects must drop only their own references.
+STORM_PREFIX = [31_000 + i for i in range(32)]
+# A deadline, not a speed: a refusal is answered before the request reaches the engine (under 10 ms
+# at p99 on 2 cores); one that waited for the engine's steps would take a share of a 32-token request.
+REFUSAL_DEADLINE_S = 0.25
 
 
 async def wait_idle(url: str, timeout: float = 5.0) -> dict[str, float]:
@@ -127,10 +133,10 @@ async def test_overload_burst(start_server: Callable[..., ServerProcess]) -> Non
         f"p99 {p99 * 1000:.1f} ms"
     )
     assert len(results) >= BURST_RATE * BURST_SECONDS * 0.95
-    # Offered at least 10x what the server took: what it accepts over the burst is its capacity.
-    assert len(accepted) * 10 <= len(results), statuses
-    assert len(accepted) >= 4
-    assert p99 < 0.100
+    # An overload: past the --max-pending 4 it took at once, requests were turned away (on 2 cores
+    # over 90 % of them; how many depends on the machine's speed, so it is printed, not held).
+    assert len(accepted) >= 4 and refused, statuses
+    assert p99 < REFUSAL_DEADLINE_S
     assert await wait_idle(server.url) == dict.fromkeys(
         (
             "engine_kv_blocks_used",
@@ -148,8 +154,9 @@ DROP_POINTS = ("before the answer", "after the head", "mid-stream", "at the end"
 
 async def one_dropped_request(url: str, point: str, rng: random.Random) -> int:
     """Returns the number of SSE events read before dropping."""
+    shared = STORM_PREFIX[: rng.choice((0, 16, 24, 32))]
     body = {
-        "prompt": [rng.randrange(32_000) for _ in range(rng.randint(1, 30))],
+        "prompt": shared + [rng.randrange(30_000) for _ in range(rng.randint(1, 30))],
         "max_tokens": STORM_MAX_TOKENS,
         "ignore_eos": True,
         "stream": True,
@@ -191,7 +198,10 @@ async def test_disconnect_storm(start_server: Callable[..., ServerProcess]) -> N
     assert all(1 <= n < STORM_MAX_TOKENS for n in mid)
     idle = await wait_idle(server.url)
     print(f"\ndisconnect storm: {STORM_REQUESTS} requests dropped in {elapsed:.1f} s; afterwards {idle}")
-    assert idle == dict.fromkeys(idle, 0)
+    assert idle == dict.fromkeys(idle, 0)  # no block used; cached ones may stay
+    async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
+        metrics = parse_metrics((await client.get("/metrics")).text)
+    assert metrics["engine_prefix_cache_hits_total"] > 0  # the shared prefixes were shared
     await still_answers(server.url)
     log = server.log_text()
     assert "Traceback" not in log, log[-3000:]
