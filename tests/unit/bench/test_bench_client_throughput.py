@@ -2,7 +2,8 @@
 
 The fake server runs in its own process with no delays; the figure printed is output tokens/s as the
 client measured it, with the client's own CPU use beside it: near 100 % CPU means the client is the
-limit, lower means the fake server (one Python process) was. Kept to a couple of seconds.
+limit, lower means the fake server (one Python process) was. Kept to a couple of seconds; reported,
+not held to a figure.
 """
 
 import pytest
@@ -21,6 +22,7 @@ def fast_server():
         yield Endpoint(fake.base_url, "fake-model")
 
 
+@pytest.mark.serial
 def test_client_streamed_tokens_per_second(benchmark, fast_server):
     workload = WorkloadSpec(kind="fixed", input_len=16, output_len=TOKENS)
     load = LoadConfig(n_requests=REQUESTS, progress=False)
