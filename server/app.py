@@ -347,6 +347,15 @@ def create_app(
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(async_engine.num_pending), media_type=CONTENT_TYPE)
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict[str, int]:
+        """Forget the cached prefix blocks (vLLM serves this path with VLLM_SERVER_DEV_MODE=1), so a
+        benchmark level that repeats prompts starts cold; running requests go on."""
+        try:
+            return {"freed_blocks": await async_engine.reset_prefix_cache()}
+        except AdmissionError as error:
+            raise overloaded(str(error)) from error
+
     return app
 
 

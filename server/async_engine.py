@@ -8,6 +8,7 @@ and hands each step's outputs back to the event loop in one `call_soon_threadsaf
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import queue
@@ -71,7 +72,12 @@ class _Stop:
     pass
 
 
-_Command = _Add | _Abort | _AbortAll | _Stop
+@dataclass(frozen=True)
+class _ResetPrefixCache:
+    done: concurrent.futures.Future[int]  # the number of cached blocks freed
+
+
+_Command = _Add | _Abort | _AbortAll | _Stop | _ResetPrefixCache
 # What the thread hands back per request: an output (its last one has finished=True) or an error.
 _Delivery = tuple["RequestStream", int, RequestOutput | Exception]
 
@@ -178,6 +184,7 @@ class AsyncEngine:
         self._idle = asyncio.Event()  # bound to this loop
         self._idle.set()
         self.accepting = True
+        self._publish()  # /metrics holds the engine's figures from the start, not from its first step
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -213,6 +220,15 @@ class AsyncEngine:
         self._commands.put(_Stop())
         await asyncio.to_thread(self._thread.join, 10.0)
         self._thread = None
+
+    async def reset_prefix_cache(self) -> int:
+        """Forget the engine's cached prefix blocks, between two steps; returns how many were freed.
+        Raises AdmissionError when the engine loop is not running."""
+        if not self.is_alive:
+            raise AdmissionError("the engine loop is not running")
+        done: concurrent.futures.Future[int] = concurrent.futures.Future()
+        self._commands.put(_ResetPrefixCache(done))
+        return await asyncio.wrap_future(done)
 
     # -- requests (event loop) -------------------------------------------------------------------
     def add(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> RequestStream:
@@ -273,6 +289,8 @@ class AsyncEngine:
                     break
                 if isinstance(command, _Add):
                     deliveries.append((command.stream, command.index, EngineLoopError("the server stopped")))
+                elif isinstance(command, _ResetPrefixCache):
+                    command.done.set_exception(EngineLoopError("the server stopped"))
             self._publish()
             self._send(deliveries)
 
@@ -322,6 +340,12 @@ class AsyncEngine:
         elif isinstance(command, _AbortAll):
             for request_id in list(in_flight):
                 self._abort(request_id, in_flight, deliveries)
+        elif isinstance(command, _ResetPrefixCache):
+            try:
+                command.done.set_result(self.engine.reset_prefix_cache())
+            except Exception as error:
+                logger.exception("resetting the prefix cache failed")
+                command.done.set_exception(EngineLoopError(f"reset failed: {type(error).__name__}"))
 
     def _abort(self, request_id: str, in_flight: dict[str, _InFlight], deliveries: list[_Delivery]) -> None:
         entry = in_flight.pop(request_id, None)

@@ -114,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--enforce-eager", dest="enforce_eager", action="store_true", default=None, help="no CUDA graphs"
     )
     engine_group.add_argument(
+        "--enable-prefix-caching",
+        dest="enable_prefix_caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="share the KV of prompt prefixes earlier requests computed (default: on, as in vLLM)",
+    )
+    engine_group.add_argument(
         "--attention-backend",
         dest="attention_backend",
         choices=BACKEND_NAMES,

@@ -89,8 +89,27 @@ class ServerMetrics:
             "Requests accepted and not finished (admission count).",
             registry=registry,
         )
-        self.kv_blocks_used = Gauge("engine_kv_blocks_used", "KV cache blocks in use.", registry=registry)
+        self.kv_blocks_used = Gauge(
+            "engine_kv_blocks_used", "KV cache blocks referenced by a request.", registry=registry
+        )
+        self.kv_blocks_cached = Gauge(
+            "engine_kv_blocks_cached",
+            "KV cache blocks no request references, kept for the prefix cache (evicted when needed).",
+            registry=registry,
+        )
         self.kv_blocks_total = Gauge("engine_kv_blocks_total", "KV cache blocks in all.", registry=registry)
+        # vLLM's prefix_cache_queries and prefix_cache_hits: tokens of admitted requests looked up, and
+        # of those the tokens found cached; hits / queries is the hit rate.
+        self.prefix_cache_queries = Counter(
+            "engine_prefix_cache_queries",
+            "Tokens of admitted requests looked up in the prefix cache.",
+            registry=registry,
+        )
+        self.prefix_cache_hits = Counter(
+            "engine_prefix_cache_hits",
+            "Tokens of admitted requests found in the prefix cache (not computed).",
+            registry=registry,
+        )
         self.prompt_tokens = Counter(
             "engine_prompt_tokens", "Prompt tokens of accepted requests.", registry=registry
         )
@@ -126,6 +145,8 @@ class ServerMetrics:
             registry=registry,
         )
         self._num_preemptions = 0
+        self._prefix_cache_queries = 0
+        self._prefix_cache_hits = 0
 
     # -- LoopObserver (called from the engine thread) -------------------------------------------
     def on_request_added(self, num_prompt_tokens: int) -> None:
@@ -147,10 +168,17 @@ class ServerMetrics:
         self.requests_running.set(stats.num_running)
         self.requests_waiting.set(stats.num_waiting)
         self.kv_blocks_used.set(stats.kv_blocks_used)
+        self.kv_blocks_cached.set(stats.kv_blocks_cached)
         self.kv_blocks_total.set(stats.kv_blocks_total)
+        # The engine counts since its start; the counters advance by what is new.
         if num_preemptions > self._num_preemptions:
             self.preemptions.inc(num_preemptions - self._num_preemptions)
         self._num_preemptions = num_preemptions
+        if stats.prefix_cache_queries > self._prefix_cache_queries:
+            self.prefix_cache_queries.inc(stats.prefix_cache_queries - self._prefix_cache_queries)
+            self.prefix_cache_hits.inc(stats.prefix_cache_hits - self._prefix_cache_hits)
+        self._prefix_cache_queries = stats.prefix_cache_queries
+        self._prefix_cache_hits = stats.prefix_cache_hits
 
     # -- rendering (event loop) ------------------------------------------------------------------
     def render(self, num_pending: int) -> bytes:

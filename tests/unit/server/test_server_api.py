@@ -199,6 +199,33 @@ async def test_metrics(api: httpx.AsyncClient) -> None:
     assert samples["engine_step_time_seconds_count"] >= 4
     assert samples['engine_request_success_total{finished_reason="length"}'] == 1
     assert "engine_preemptions_total" in samples
+    assert "engine_kv_blocks_cached" in samples and "engine_prefix_cache_hits_total" in samples
+
+
+async def test_a_repeated_prompt_shows_prefix_cache_hits_and_reset_forgets_them(
+    api: httpx.AsyncClient,
+) -> None:
+    async def metrics() -> dict[str, float]:
+        return parse_metrics((await api.get("/metrics")).text)
+
+    prompt = [20_000 + 7 * i for i in range(40)]  # two full 16-token blocks and 8 more tokens
+    before = await metrics()
+    await complete(api, prompt=prompt, max_tokens=2, ignore_eos=True)
+    first = await metrics()
+    assert first["engine_prefix_cache_queries_total"] - before["engine_prefix_cache_queries_total"] == 40
+    assert first["engine_prefix_cache_hits_total"] == before["engine_prefix_cache_hits_total"]
+    assert first["engine_kv_blocks_used"] == 0 and first["engine_kv_blocks_cached"] >= 2
+    second = await complete(api, prompt=prompt, max_tokens=2, ignore_eos=True)
+    after = await metrics()
+    assert after["engine_prefix_cache_queries_total"] - first["engine_prefix_cache_queries_total"] == 40
+    assert after["engine_prefix_cache_hits_total"] - first["engine_prefix_cache_hits_total"] == 32
+    assert second["usage"] == {"prompt_tokens": 40, "completion_tokens": 2, "total_tokens": 42}
+
+    reset = await api.post("/reset_prefix_cache")
+    assert reset.status_code == 200 and reset.json()["freed_blocks"] >= 2
+    assert (await metrics())["engine_kv_blocks_cached"] == 0
+    await complete(api, prompt=prompt, max_tokens=2, ignore_eos=True)
+    assert (await metrics())["engine_prefix_cache_hits_total"] == after["engine_prefix_cache_hits_total"]
 
 
 async def test_engine_loop_survives_a_failing_request(

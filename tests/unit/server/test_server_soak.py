@@ -73,12 +73,22 @@ def start_soak_server(start_server: Callable[..., ServerProcess]) -> ServerProce
     return start_server("--disable-uvicorn-access-log", env={"PAGED_ENGINE_TRACEMALLOC": "1"})
 
 
+async def blocks_left(url: str) -> dict[str, float]:
+    """The KV blocks in use (must be 0 once every request has finished) and kept by the prefix cache."""
+    async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+        metrics = parse_metrics((await client.get("/metrics")).text)
+    return {name: metrics[name] for name in ("engine_kv_blocks_used", "engine_kv_blocks_cached")}
+
+
 async def test_soak_short(start_server: Callable[..., ServerProcess]) -> None:
     server = start_soak_server(start_server)
     points = await soak(server, 1_000, 4)
     heaps = [heap for _, _, heap in points]
     # The second 500 requests: a leak of 1 kB a request would add 0.5 MiB.
     assert heaps[-1] - heaps[1] < 0.25 * MiB, heaps
+    left = await blocks_left(server.url)
+    print(f"  afterwards: {left}")
+    assert left["engine_kv_blocks_used"] == 0  # prefix caching is on: cached blocks may stay
 
 
 @pytest.mark.soak
@@ -89,3 +99,4 @@ async def test_soak(start_server: Callable[..., ServerProcess]) -> None:
     first, second = rss_mid - rss_start, rss_end - rss_mid
     assert second < max(first / 4, 1 * MiB), (first / MiB, second / MiB)  # 1 MiB: page-level noise
     assert heap_end - heap_mid < 0.25 * MiB, (heap_mid, heap_end)
+    assert (await blocks_left(server.url))["engine_kv_blocks_used"] == 0
