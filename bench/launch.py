@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -124,7 +125,45 @@ def sourcing(env_file: str | None, command: list[str]) -> list[str]:
 
 
 def engine_args(dtype: str, max_model_len: int, seed: int = 0) -> list[str]:
-    return ["--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", str(seed)]
+    """As vllm_args: no prefix caching (the seed-mix repeats its prompts at every level, so with the
+    cache on every level after the first would be a full hit; the stored baselines ran without it)."""
+    return [
+        "--no-enable-prefix-caching",
+        "--dtype",
+        dtype,
+        "--max-model-len",
+        str(max_model_len),
+        "--seed",
+        str(seed),
+    ]
+
+
+# Engine flags a server of an older commit may not know, each asking for what such a server does anyway
+# (it has no prefix cache): `bench ab` starts the base commit's server with the new commit's flags.
+OPTIONAL_ENGINE_FLAGS = ("--no-enable-prefix-caching",)
+
+
+def server_help(spec: ServerSpec, timeout_s: float = 300.0) -> str:
+    """`python -m <module> --help` of the engine server `spec` starts, run where it runs ('' if it
+    fails: a server whose help cannot be read is taken to know none of the optional flags)."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", spec.module, "--help"],
+            cwd=spec.cwd,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            stdin=subprocess.DEVNULL,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return done.stdout if done.returncode == 0 else ""
+
+
+def known_args(args: list[str], help_text: str) -> list[str]:
+    """`args` without the OPTIONAL_ENGINE_FLAGS that `help_text` does not list (they take no value)."""
+    listed = set(re.findall(r"--[\w-]+", help_text))
+    return [arg for arg in args if arg not in OPTIONAL_ENGINE_FLAGS or arg in listed]
 
 
 def vllm_args(dtype: str, max_model_len: int, seed: int = 0) -> list[str]:
@@ -185,7 +224,11 @@ class ServerProcess:
 
     def start(self, timeout_s: float) -> ServerProcess:
         """Start in a new process session (so stop() can end the whole group, and a server started
-        by `bench serve` outlives the command that started it) and wait for /health."""
+        by `bench serve` outlives the command that started it) and wait for /health. An engine server
+        run from another checkout (`spec.cwd`) keeps only the OPTIONAL_ENGINE_FLAGS its --help lists."""
+        if self.spec.target == "engine" and self.spec.cwd is not None:
+            # Another checkout's server (`bench ab`'s base commit) may predate an optional flag.
+            self.spec.args = known_args(self.spec.args, server_help(self.spec))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("wb")
         env = dict(os.environ, PYTHONUNBUFFERED="1")

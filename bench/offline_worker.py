@@ -43,7 +43,8 @@ class Target(Protocol):
 
 
 class EngineTarget:
-    """This project's `engine.LLMEngine`: greedy, ignore_eos, the perf tier's options."""
+    """This project's `engine.LLMEngine`: greedy, ignore_eos, the perf tier's options (prefix caching
+    off, as vLLM's below, unless `options` turn it on)."""
 
     def __init__(
         self, model_dir: str, dtype: str, max_model_len: int, seed: int, options: dict[str, Any]
@@ -58,6 +59,7 @@ class EngineTarget:
             raise WorkerError(
                 f"the engine has no option {', '.join(unknown)} (EngineArgs: {', '.join(sorted(known))})"
             )
+        options = {"enable_prefix_caching": False, **options}
         self.version = __version__
         self.sampling = SamplingParams
         self.engine = LLMEngine(
@@ -90,7 +92,20 @@ class EngineTarget:
         }
 
     def describe(self) -> dict[str, Any]:
-        return {"name": "paged-engine", "version": self.version, "config": self.engine.config_dict()}
+        """Name, version, every option in force, and (read at the end of the run) the prefix cache's
+        tokens looked up and found since start, warm-up included, and their ratio."""
+        described: dict[str, Any] = {
+            "name": "paged-engine",
+            "version": self.version,
+            "config": self.engine.config_dict(),
+        }
+        stats = self.engine.stats()
+        described["prefix_cache"] = {
+            "queries": stats.prefix_cache_queries,
+            "hits": stats.prefix_cache_hits,
+            "hit_rate": stats.prefix_cache_hit_rate,
+        }
+        return described
 
 
 class VllmTarget:
@@ -343,6 +358,7 @@ def run(config: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
         done = all_at_once(target, "prefill", requests, spec.seed, "prefill")
         result["probes"]["prefill"] = done.as_json()
         log(f"prefill: {probes['prefill_prompts']} prompts in {done.steps} steps")
+    result["target"] = target.describe()  # again: now with what the run did (the prefix cache's hits)
     return result
 
 
