@@ -108,12 +108,18 @@ def profile_batch(
     all at the end, so the next batch starts empty."""
     params = SamplingParams(max_tokens=max_model_len - context, temperature=0.0, ignore_eos=True)
     request_ids = [f"profile-{batch}-{i}" for i in range(batch)]
+    before = engine.stats()
     for i, request_id in enumerate(request_ids):
         engine.add_request(request_id, [1000 + (i * 7 + j) % 29000 for j in range(context)], params)
     while any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()  # prefill
     for _ in range(3):
         engine.step()  # warm-up decodes
+    # Prompts differ within a batch, but a later batch's repeat an earlier one's (the first of 64 is
+    # the one of 1), whose blocks the prefix cache may still hold: its prefill is shorter, decode alike.
+    prefilled = engine.stats()
+    queries = prefilled.prefix_cache_queries - before.prefix_cache_queries
+    hit_rate = (prefilled.prefix_cache_hits - before.prefix_cache_hits) / queries if queries else 0.0
     on_cuda = engine.device.type == "cuda"
     sync = torch.cuda.synchronize if on_cuda else (lambda: None)
 
@@ -149,6 +155,7 @@ def profile_batch(
         # for the GPU: the sampled tokens are read back at its end)
         "host_ms": {key: value for key, value in host.items() if key.endswith("_ms")},
         "prepare_ms": host.get("prepare_ms"),
+        "prefix_cache_hit_rate": hit_rate,  # of this batch's prompt tokens, found cached
         "gpu_busy_ms_per_step": None,
         "gpu_busy_fraction": None,
         "kernel_launches_per_step": None,
@@ -186,6 +193,9 @@ def report(figures: dict[str, Any], ceiling_gbs: float | None) -> list[str]:
         if name != "step_ms"
     )
     lines.append(f"  host per step (ms): {phases}; prepare a step {figures['prepare_ms']:.2f} ms")
+    lines.append(
+        f"  prefix cache: {100 * figures['prefix_cache_hit_rate']:.1f}% of the prompt tokens found cached"
+    )
     return lines
 
 

@@ -85,6 +85,9 @@ def test_profile_cli_prints_and_writes_every_batchs_figures(tiny_model_dir, caps
         assert figures["prepare_ms"] > 0
         assert {"schedule_ms", "prepare_ms", "execute_ms", "step_ms"} <= set(figures["host_ms"])
         assert figures["top_operators"] and figures["top_operators"][0]["calls_per_step"] > 0
+    # The batch of 3's first prompt is the batch of 1's: one of its two 16-token blocks was cached.
+    assert [figures["prefix_cache_hit_rate"] for figures in written["batches"]] == [0.0, 16 / 96]
+    assert "prefix cache: 16.7% of the prompt tokens found cached" in printed
 
 
 def test_the_steady_step_cancels_the_pipelines_fill_and_drain():
