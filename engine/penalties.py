@@ -17,32 +17,10 @@ from __future__ import annotations
 
 import torch
 
+from engine.kernels.sampling_reference import OUTPUT_COUNT_MASK, PROMPT_FLAG, apply_penalties
 from engine.sequence import PLACEHOLDER, Sequence
 
-# Set in a count row for each token of the prompt: the low 30 bits count the output (max_model_len
-# is far below 2^30).
-PROMPT_FLAG = 1 << 30
-OUTPUT_COUNT_MASK = PROMPT_FLAG - 1
-
-
-def apply_penalties(
-    logits: torch.Tensor,
-    counts: torch.Tensor,
-    presence: torch.Tensor,
-    frequency: torch.Tensor,
-    repetition: torch.Tensor,
-) -> torch.Tensor:
-    """Penalized copy of logits, vLLM's order and arithmetic. logits [rows, vocab] float32; counts
-    [rows, vocab] int32 (PROMPT_FLAG | output count); presence, frequency, repetition [rows] float32.
-
-    A token seen in the prompt or the output has a positive logit divided by the repetition penalty,
-    a negative one multiplied by it; then logit -= frequency * output count + presence * (count > 0).
-    """
-    output = counts & OUTPUT_COUNT_MASK
-    repetition = repetition[:, None]
-    penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
-    logits = torch.where(counts != 0, penalized, logits)
-    return logits - frequency[:, None] * output - presence[:, None] * (output > 0)
+__all__ = ["OUTPUT_COUNT_MASK", "PROMPT_FLAG", "PenaltyCounts", "apply_penalties"]
 
 
 class PenaltyCounts:

@@ -18,7 +18,7 @@ forward pass; launch overhead included) and, where it can be captured, replayed 
   and at top_p 0.9 with the default method, and with presence, frequency and repetition penalties.
 
 Pick FILTER_METHOD in engine/sampler.py from the top_p rows: the fastest on the peaked shape that is
-not much slower on the flat one.
+not much slower on the flat one; `--rows 1 2 4 8 16 32` places sort_rows (below it, the sort wins).
 """
 
 from __future__ import annotations
@@ -43,12 +43,12 @@ VOCAB = 151_936
 ROW_COUNTS = (1, 64, 256)
 PEAK_TOKENS, PEAK_MASS = 50, 0.95
 TOP_P, TOP_K, MIN_P = 0.9, 50, 0.05
-TOP_P_METHODS = [
+TOP_P_METHODS = [  # sort_rows=0: each method as itself at every batch size
     FilterMethod("sort"),
-    FilterMethod("prefix", 256),
-    FilterMethod("prefix", 1024),
-    FilterMethod("prefix", 4096),
-    FilterMethod("bisect"),
+    FilterMethod("prefix", 256, sort_rows=0),
+    FilterMethod("prefix", 1024, sort_rows=0),
+    FilterMethod("prefix", 4096, sort_rows=0),
+    FilterMethod("bisect", sort_rows=0),
 ]
 EAGER_REPEATS = 20
 
@@ -137,7 +137,7 @@ def draw_cases(logits: torch.Tensor) -> list[tuple[str, str, Callable[[], object
     for method in TOP_P_METHODS:
         name = method.top_p if method.top_p != "prefix" else f"prefix-{method.prefix}"
         cases.append((f"top_p={TOP_P}", name, filtered(no_top_k, top_p, no_min_p, 0, True, method), True))
-    for method in (FILTER_METHOD, FilterMethod("sort")):
+    for method in (FilterMethod("prefix", sort_rows=0), FilterMethod("sort")):
         name = "topk" if method.top_p != "sort" else "sort"
         cases.append(
             (
@@ -150,6 +150,14 @@ def draw_cases(logits: torch.Tensor) -> list[tuple[str, str, Callable[[], object
     cases.append(
         (f"min_p={MIN_P}", "threshold", filtered(no_top_k, no_top_p, min_p, 0, False, FILTER_METHOD), True)
     )
+    # The parts of the top-p methods, to see where their time goes.
+    top = logits.amax(dim=-1, keepdim=True)
+    cases += [
+        ("parts", "topk-256", lambda: logits.topk(256, dim=-1), True),
+        ("parts", "topk-1024", lambda: logits.topk(1024, dim=-1), True),
+        ("parts", "sort", lambda: logits.sort(dim=-1, descending=True), True),
+        ("parts", "row-mass", lambda: (logits - top).div_(temperature[:, None]).exp_().sum(dim=-1), True),
+    ]
     return cases
 
 

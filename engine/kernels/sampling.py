@@ -7,6 +7,9 @@ row's cutoff, adds temperature x Gumbel noise hashed from (key, position, token 
 running argmax, so a draw reads the logits once and writes one token: no sort, no probabilities, no
 generator state. A row of temperature 0 takes the plain argmax (lowest index on ties, as torch).
 
+`apply_penalties_in_place`: repetition, presence and frequency penalties from the count rows, in one
+pass over the penalized rows. `row_masses`: softmax's denominator of rows, split like the draw.
+
 `top_p_cutoffs`: for the rows flagged `needs`, the largest logit t whose tokens at or above it hold
 top_p of the row's mass (softmax at the row's temperature, over the tokens >= lower), found by
 bisection over the float32 bit patterns of the logits: at most 32 passes over the row, no sort. Rows
@@ -20,8 +23,12 @@ import torch
 import triton
 import triton.language as tl
 
-# Block of vocabulary entries a program handles at a time: 16 KiB of float32 logits.
-MAX_BLOCK = 4096
+from engine.kernels.sampling_reference import OUTPUT_COUNT_MASK
+
+# Vocabulary entries a program handles at a time: 4 KiB of float32 logits for the draw and the row
+# mass; the bisection (one program a row, about 34 passes over it) takes larger steps.
+SAMPLE_BLOCK = 1024
+BISECT_BLOCK = 2048
 
 
 @triton.jit
@@ -50,14 +57,20 @@ def _sample_kernel(
     key_hi_ptr,  # [rows] int32
     position_ptr,  # [rows] int32: the token's index in its request's output
     cutoff_ptr,  # [rows] float32, contiguous; unused unless HAS_CUTOFF
-    out_ptr,  # [rows] int64
+    best_score_ptr,  # [rows, num_chunks] float32: each chunk's best score (unused if ONE_CHUNK)
+    best_index_ptr,  # [rows, num_chunks] int32: and its token
+    out_ptr,  # [rows] int64, written directly if ONE_CHUNK
     logits_stride,
     param_stride,
     vocab,
+    chunk_size,  # a multiple of BLOCK
+    num_chunks,
     HAS_CUTOFF: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
     base = logits_ptr + row * logits_stride
     temperature = tl.load(temperature_ptr + row * param_stride)
     position = tl.load(position_ptr + row * param_stride).to(tl.uint32, bitcast=True)
@@ -69,23 +82,52 @@ def _sample_kernel(
     cutoff = float("-inf")
     if HAS_CUTOFF:
         cutoff = tl.load(cutoff_ptr + row)
+    first = chunk * chunk_size
+    end = tl.minimum(first + chunk_size, vocab)
     cols = tl.arange(0, BLOCK)
-    best = tl.full((), float("-inf"), tl.float32)
-    best_index = tl.full((), 0, tl.int32)
-    for start in range(0, vocab, BLOCK):
+    # Each lane keeps its own best (scores, then their tokens) over the chunk; one reduction at the
+    # end. A lane sees its tokens in increasing order and replaces only on a strictly greater score,
+    # so it keeps the lowest index of its maximum; an all -inf lane keeps its first token, so an
+    # all -inf chunk answers its first token, as torch.argmax.
+    best = tl.full((BLOCK,), float("-inf"), tl.float32)
+    best_index = first + cols
+    for start in range(first, end, BLOCK):
         index = start + cols
-        logit = tl.load(base + index, mask=index < vocab, other=float("-inf"))
+        logit = tl.load(base + index, mask=index < end, other=float("-inf"))
         score = logit
         if temperature > 0.0:
             score = logit + temperature * _gumbel(state, index)
         if HAS_CUTOFF:
             score = tl.where(logit >= cutoff, score, float("-inf"))
-        block_best = tl.max(score, axis=0)
-        block_index = tl.argmax(score, axis=0, tie_break_left=True)
-        # Strictly greater: an earlier block's equal maximum has the lower index, as torch.argmax.
-        best_index = tl.where(block_best > best, start + block_index, best_index)
-        best = tl.maximum(best, block_best)
-    tl.store(out_ptr + row, best_index.to(tl.int64))
+        take = score > best
+        best = tl.where(take, score, best)
+        best_index = tl.where(take, index, best_index)
+    top = tl.max(best, axis=0)
+    token = tl.min(tl.where(best == top, best_index, vocab), axis=0)
+    if ONE_CHUNK:
+        tl.store(out_ptr + row, token.to(tl.int64))
+    else:
+        tl.store(best_score_ptr + row * num_chunks + chunk, top)
+        tl.store(best_index_ptr + row * num_chunks + chunk, token)
+
+
+@triton.jit
+def _merge_chunks_kernel(
+    best_score_ptr,  # [rows, num_chunks] float32
+    best_index_ptr,  # [rows, num_chunks] int32
+    out_ptr,  # [rows] int64
+    num_chunks,
+    vocab,
+    CHUNKS: tl.constexpr,  # next power of two >= num_chunks
+):
+    """The best of each row's chunks; on equal scores the lowest token (chunks hold ascending tokens)."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.arange(0, CHUNKS)
+    mask = chunk < num_chunks
+    score = tl.load(best_score_ptr + row * num_chunks + chunk, mask=mask, other=float("-inf"))
+    index = tl.load(best_index_ptr + row * num_chunks + chunk, mask=mask, other=vocab)
+    top = tl.max(score, axis=0)
+    tl.store(out_ptr + row, tl.min(tl.where(score == top, index, vocab), axis=0).to(tl.int64))
 
 
 @triton.jit
@@ -103,15 +145,15 @@ def _from_ordered(key):
 
 
 @triton.jit
-def _mass_at_or_above(base, threshold, top, temperature, vocab, BLOCK: tl.constexpr):
-    """sum of exp((logit - top) / temperature) over the row's logits >= threshold."""
+def _mass_at_or_above(base, threshold, top, scale, vocab, BLOCK: tl.constexpr):
+    """sum of 2^((logit - top) * scale) over the row's logits >= threshold; scale = log2(e) / T,
+    so each term is exp((logit - top) / T), with one multiply and the hardware's exp2."""
     cols = tl.arange(0, BLOCK)
     total = tl.zeros((BLOCK,), tl.float32)
     for start in range(0, vocab, BLOCK):
         index = start + cols
         logit = tl.load(base + index, mask=index < vocab, other=float("-inf"))
-        weight = tl.exp((logit - top) / temperature)
-        total += tl.where(logit >= threshold, weight, 0.0)
+        total += tl.where(logit >= threshold, tl.exp2((logit - top) * scale), 0.0)
     return tl.sum(total, axis=0)
 
 
@@ -132,7 +174,7 @@ def _top_p_bisect_kernel(
     if tl.load(needs_ptr + entry) != 0:
         row = tl.load(rows_ptr + entry).to(tl.int64)
         base = logits_ptr + row * logits_stride
-        temperature = tl.load(temperature_ptr + entry)
+        scale = 1.4426950408889634 / tl.load(temperature_ptr + entry)
         lower = tl.load(lower_ptr + entry)
         cols = tl.arange(0, BLOCK)
         top_block = tl.full((BLOCK,), float("-inf"), tl.float32)
@@ -140,19 +182,91 @@ def _top_p_bisect_kernel(
             index = start + cols
             top_block = tl.maximum(top_block, tl.load(base + index, mask=index < vocab, other=float("-inf")))
         top = tl.max(top_block, axis=0)
-        target = tl.load(top_p_ptr + entry) * _mass_at_or_above(base, lower, top, temperature, vocab, BLOCK)
-        # Invariant: the mass at or above `low` reaches target (true at min-p's cutoff, which keeps
-        # the whole candidate mass); above `high` it does not. The answer is a logit: the mass only
-        # changes at logit values.
+        target = tl.load(top_p_ptr + entry) * _mass_at_or_above(base, lower, top, scale, vocab, BLOCK)
+        # Bisection over the float32 order of [lower, top] for the largest key whose mass (tokens at
+        # or above it) reaches target: a logit, since the mass only changes at logit values.
+        # Invariant: the answer is in [low, high], and the mass at low reaches target.
         low = _ordered(lower)
         high = _ordered(top)
         while low < high:
             middle = low + (high - low + 1) // 2
-            if _mass_at_or_above(base, _from_ordered(middle), top, temperature, vocab, BLOCK) >= target:
+            if _mass_at_or_above(base, _from_ordered(middle), top, scale, vocab, BLOCK) >= target:
                 low = middle
             else:
                 high = middle - 1
         tl.store(cutoff_ptr + entry, _from_ordered(low))
+
+
+@triton.jit
+def _row_mass_kernel(
+    logits_ptr,  # [*, vocab] float32, row stride logits_stride
+    rows_ptr,  # [n] int32: the logits row of each entry
+    top_ptr,  # [n] float32: the row's largest logit
+    temperature_ptr,  # [n] float32 (> 0)
+    lower_ptr,  # [n] float32: count only logits >= lower
+    partial_ptr,  # [n, num_chunks] float32: each chunk's sum
+    logits_stride,
+    vocab,
+    chunk_size,  # a multiple of BLOCK
+    num_chunks,
+    BLOCK: tl.constexpr,
+):
+    entry = tl.program_id(0)
+    chunk = tl.program_id(1)
+    base = logits_ptr + tl.load(rows_ptr + entry).to(tl.int64) * logits_stride
+    scale = 1.4426950408889634 / tl.load(temperature_ptr + entry)
+    top = tl.load(top_ptr + entry)
+    lower = tl.load(lower_ptr + entry)
+    first = chunk * chunk_size
+    end = tl.minimum(first + chunk_size, vocab)
+    cols = tl.arange(0, BLOCK)
+    total = tl.zeros((BLOCK,), tl.float32)
+    for start in range(first, end, BLOCK):
+        index = start + cols
+        logit = tl.load(base + index, mask=index < end, other=float("-inf"))
+        total += tl.where(logit >= lower, tl.exp2((logit - top) * scale), 0.0)
+    tl.store(partial_ptr + entry * num_chunks + chunk, tl.sum(total, axis=0))
+
+
+@triton.jit
+def _penalties_kernel(
+    logits_ptr,  # [rows, vocab] float32, row stride logits_stride: penalized in place
+    counts_ptr,  # [pool, vocab] int32, row stride counts_stride: PROMPT_FLAG | output count
+    batch_rows_ptr,  # [n] int32: the logits rows to penalize
+    count_rows_ptr,  # [n] int32: their count rows
+    presence_ptr,  # [rows] float32, stride param_stride, read at the batch row
+    frequency_ptr,  # [rows] float32
+    repetition_ptr,  # [rows] float32
+    logits_stride,
+    counts_stride,
+    param_stride,
+    vocab,
+    chunk_size,  # a multiple of BLOCK
+    OUTPUT_COUNT_MASK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    entry = tl.program_id(0)
+    chunk = tl.program_id(1)
+    row = tl.load(batch_rows_ptr + entry).to(tl.int64)
+    logits_row = logits_ptr + row * logits_stride
+    counts_row = counts_ptr + tl.load(count_rows_ptr + entry).to(tl.int64) * counts_stride
+    presence = tl.load(presence_ptr + row * param_stride)
+    frequency = tl.load(frequency_ptr + row * param_stride)
+    repetition = tl.load(repetition_ptr + row * param_stride)
+    first = chunk * chunk_size
+    end = tl.minimum(first + chunk_size, vocab)
+    cols = tl.arange(0, BLOCK)
+    for start in range(first, end, BLOCK):
+        index = start + cols
+        mask = index < end
+        logit = tl.load(logits_row + index, mask=mask, other=0.0)
+        count = tl.load(counts_row + index, mask=mask, other=0)
+        output = count & OUTPUT_COUNT_MASK
+        # div_rn: IEEE division, as torch's (Triton's `/` may round differently).
+        penalized = tl.where(logit > 0, tl.math.div_rn(logit, repetition), logit * repetition)
+        logit = tl.where(count != 0, penalized, logit)
+        logit = logit - frequency * output.to(tl.float32) - presence * (output > 0).to(tl.float32)
+        tl.store(logits_row + index, logit, mask=mask)
 
 
 def _check(
@@ -175,9 +289,16 @@ def _check_logits(logits: torch.Tensor) -> None:
         raise ValueError(f"logits must have a contiguous last dim, got strides {logits.stride()}")
 
 
-def _block(vocab: int) -> tuple[int, int]:
-    block = min(triton.next_power_of_2(vocab), MAX_BLOCK)
-    return block, min(max(block // 512, 1), 8)
+def _block(vocab: int, largest: int) -> tuple[int, int]:
+    block = min(triton.next_power_of_2(vocab), largest)
+    return block, min(max(block // 256, 1), 8)
+
+
+def _programs_wanted(device: torch.device) -> int:
+    """Programs that fill the device a few times over: a row's vocabulary is split to reach it."""
+    if device.type != "cuda":
+        return 4  # the interpreter: a few chunks a row, to test the merge
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def sample_rows(
@@ -212,22 +333,41 @@ def sample_rows(
         _check("out", out, (rows,), torch.int64, logits)
     if rows == 0:
         return out
-    block, num_warps = _block(vocab)
-    _sample_kernel[(rows,)](
+    block, num_warps = _block(vocab, SAMPLE_BLOCK)
+    # Split each row into chunks of whole blocks so that rows x chunks programs fill the device: one
+    # program a row would leave most of it idle at small batches (and walk 151,936 tokens alone).
+    num_chunks = min(max(_programs_wanted(logits.device) // rows, 1), triton.cdiv(vocab, block))
+    chunk_size = triton.cdiv(triton.cdiv(vocab, num_chunks), block) * block
+    num_chunks = triton.cdiv(vocab, chunk_size)
+    one_chunk = num_chunks == 1
+    best_score = (
+        out if one_chunk else torch.empty(rows, num_chunks, dtype=torch.float32, device=logits.device)
+    )
+    best_index = out if one_chunk else torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
+    _sample_kernel[(rows, num_chunks)](
         logits,
         temperature,
         key_lo,
         key_hi,
         position,
         cutoff if cutoff is not None else temperature,
+        best_score,
+        best_index,
         out,
         logits.stride(0),
         temperature.stride(0),
         vocab,
+        chunk_size,
+        num_chunks,
         HAS_CUTOFF=cutoff is not None,
+        ONE_CHUNK=one_chunk,
         BLOCK=block,
         num_warps=num_warps,
     )
+    if not one_chunk:
+        _merge_chunks_kernel[(rows,)](
+            best_score, best_index, out, num_chunks, vocab, CHUNKS=triton.next_power_of_2(num_chunks)
+        )
     return out
 
 
@@ -261,7 +401,7 @@ def top_p_cutoffs(
             raise ValueError(f"{name} must be contiguous")
     if n <= 0:
         return
-    block, num_warps = _block(logits.shape[1])
+    block, num_warps = _block(logits.shape[1], BISECT_BLOCK)
     _top_p_bisect_kernel[(n,)](
         logits,
         rows,
@@ -272,6 +412,111 @@ def top_p_cutoffs(
         cutoff,
         logits.stride(0),
         logits.shape[1],
+        BLOCK=block,
+        num_warps=num_warps,
+    )
+
+
+def row_masses(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    top: torch.Tensor,
+    temperature: torch.Tensor,
+    lower: torch.Tensor,
+) -> torch.Tensor:
+    """[n] float32: for each i, the sum of exp((logit - top[i]) / temperature[i]) over the logits of
+    row rows[i] that are >= lower[i] (softmax's denominator over what min-p keeps), as
+    sampling_reference.row_masses_reference up to the order of summation.
+
+    logits: [*, vocab] float32, last dim contiguous; rows [n] int32; top, temperature (> 0), lower
+    [n] float32; all contiguous. Each row is split over several programs, as in sample_rows.
+    """
+    _check_logits(logits)
+    n = rows.shape[0] if rows.dim() == 1 else -1
+    for name, tensor, dtype in (
+        ("rows", rows, torch.int32),
+        ("top", top, torch.float32),
+        ("temperature", temperature, torch.float32),
+        ("lower", lower, torch.float32),
+    ):
+        _check(name, tensor, (max(n, 0),), dtype, logits)
+        if n > 1 and tensor.stride(0) != 1:
+            raise ValueError(f"{name} must be contiguous")
+    vocab = logits.shape[1]
+    block, num_warps = _block(vocab, SAMPLE_BLOCK)
+    num_chunks = min(max(_programs_wanted(logits.device) // max(n, 1), 1), triton.cdiv(vocab, block))
+    chunk_size = triton.cdiv(triton.cdiv(vocab, num_chunks), block) * block
+    num_chunks = triton.cdiv(vocab, chunk_size)
+    partial = torch.empty(max(n, 0), num_chunks, dtype=torch.float32, device=logits.device)
+    if n > 0:
+        _row_mass_kernel[(n, num_chunks)](
+            logits,
+            rows,
+            top,
+            temperature,
+            lower,
+            partial,
+            logits.stride(0),
+            vocab,
+            chunk_size,
+            num_chunks,
+            BLOCK=block,
+            num_warps=num_warps,
+        )
+    return partial.sum(dim=-1)
+
+
+def apply_penalties_in_place(
+    logits: torch.Tensor,
+    counts: torch.Tensor,
+    batch_rows: torch.Tensor,
+    count_rows: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+    repetition: torch.Tensor,
+) -> None:
+    """logits[batch_rows[i]] = sampling_reference.apply_penalties of that row with counts[count_rows[i]],
+    in place, in one pass (the torch reference takes a dozen over [rows, vocab] temporaries).
+
+    logits: [rows, vocab] float32, last dim contiguous; counts: [pool, vocab] int32, last dim
+    contiguous; batch_rows, count_rows: [n] int32 contiguous, batch rows distinct; presence,
+    frequency, repetition: [rows] float32, read at the batch rows, possibly strided views sharing
+    one stride (columns of one parameter table).
+    """
+    _check_logits(logits)
+    rows, vocab = logits.shape
+    if counts.dim() != 2 or counts.shape[1] != vocab or counts.dtype != torch.int32:
+        raise ValueError(f"counts must be [pool, {vocab}] int32, got {tuple(counts.shape)} {counts.dtype}")
+    if counts.device != logits.device or (vocab > 1 and counts.stride(1) != 1):
+        raise ValueError("counts must be on the logits' device, with a contiguous last dim")
+    n = batch_rows.shape[0] if batch_rows.dim() == 1 else -1
+    for name, tensor in (("batch_rows", batch_rows), ("count_rows", count_rows)):
+        _check(name, tensor, (max(n, 0),), torch.int32, logits)
+        if n > 1 and tensor.stride(0) != 1:
+            raise ValueError(f"{name} must be contiguous")
+    for name, tensor in (("presence", presence), ("frequency", frequency), ("repetition", repetition)):
+        _check(name, tensor, (rows,), torch.float32, logits)
+        if rows > 1 and tensor.stride(0) != presence.stride(0):
+            raise ValueError(f"{name} has stride {tensor.stride(0)}, presence {presence.stride(0)}")
+    if n <= 0:
+        return
+    block, num_warps = _block(vocab, SAMPLE_BLOCK)
+    num_chunks = min(max(_programs_wanted(logits.device) // n, 1), triton.cdiv(vocab, block))
+    chunk_size = triton.cdiv(triton.cdiv(vocab, num_chunks), block) * block
+    _penalties_kernel[(n, triton.cdiv(vocab, chunk_size))](
+        logits,
+        counts,
+        batch_rows,
+        count_rows,
+        presence,
+        frequency,
+        repetition,
+        logits.stride(0),
+        counts.stride(0),
+        presence.stride(0),
+        vocab,
+        chunk_size,
+        OUTPUT_COUNT_MASK=OUTPUT_COUNT_MASK,
         BLOCK=block,
         num_warps=num_warps,
     )

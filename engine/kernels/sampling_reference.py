@@ -1,6 +1,9 @@
 """The torch reference of the sampling kernels (engine/kernels/sampling.py): what the CPU engine runs
 and what the kernel tests compare against, token for token. Plain torch, no triton import.
 
+Penalties (vLLM's arithmetic) change a row's logits from its count row (engine/penalties.py keeps
+them: output counts in the low bits, PROMPT_FLAG on the prompt's tokens).
+
 A draw is a Gumbel-max (the exponential race): token = argmax over the kept tokens of
 logit + temperature * g, with g = -log(-log(u)) standard Gumbel noise, which picks token i with
 probability softmax(logits / temperature)[i]. The uniforms u come from a counter-based hash of (row
@@ -21,6 +24,11 @@ MIX_MULTIPLIER_2 = 0x846CA68B
 GOLDEN = 0x9E3779B9  # 2^32 / phi, odd: v -> state + v * GOLDEN is a bijection of the vocabulary
 POSITION_SALT = 0x5BD1E995  # keeps position 0 of key 0 away from the hash's fixed point at 0
 TWO_POW_MINUS_24 = 2.0**-24
+
+# Set in a count row for each token of the prompt: the low 30 bits count the output (max_model_len
+# is far below 2^30).
+PROMPT_FLAG = 1 << 30
+OUTPUT_COUNT_MASK = PROMPT_FLAG - 1
 
 
 def mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
@@ -90,6 +98,15 @@ def sample_reference(
     return scores.argmax(dim=-1)
 
 
+def row_masses_reference(
+    logits: torch.Tensor, top: torch.Tensor, temperature: torch.Tensor, lower: torch.Tensor
+) -> torch.Tensor:
+    """[rows]: sum of exp((logit - top) / temperature) over each row's logits >= lower (softmax's
+    denominator over what min-p keeps). logits [rows, vocab] float32; top, temperature, lower [rows]."""
+    weights = (logits - top[:, None]).div_(temperature[:, None]).exp_()
+    return weights.masked_fill_(logits < lower[:, None], 0.0).sum(dim=-1)
+
+
 def top_p_cutoffs_reference(
     logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, lower: torch.Tensor
 ) -> torch.Tensor:
@@ -110,3 +127,23 @@ def top_p_cutoffs_reference(
     kept[:, 0] = True
     count = kept.sum(dim=-1, keepdim=True)
     return values.gather(1, count - 1)[:, 0]
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    counts: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+    repetition: torch.Tensor,
+) -> torch.Tensor:
+    """Penalized copy of logits, vLLM's order and arithmetic. logits [rows, vocab] float32; counts
+    [rows, vocab] int32 (PROMPT_FLAG | output count); presence, frequency, repetition [rows] float32.
+
+    A token seen in the prompt or the output has a positive logit divided by the repetition penalty,
+    a negative one multiplied by it; then logit -= frequency * output count + presence * (count > 0).
+    """
+    output = counts & OUTPUT_COUNT_MASK
+    repetition = repetition[:, None]
+    penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(counts != 0, penalized, logits)
+    return logits - frequency[:, None] * output - presence[:, None] * (output > 0)

@@ -30,11 +30,11 @@ from engine.sequence import Sequence
 DRAWS = 20_000
 MIN_P_VALUE = 1e-3  # a chi-square p-value below this fails
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, 0.3, 1.2, -0.2, 0.8])
-METHODS = [
+METHODS = [  # sort_rows=0: each method as itself, even for the one row these tests filter
     FilterMethod("sort"),
-    FilterMethod("prefix", prefix=3),
-    FilterMethod("prefix"),
-    FilterMethod("bisect"),
+    FilterMethod("prefix", prefix=3, sort_rows=0),
+    FilterMethod("prefix", sort_rows=0),
+    FilterMethod("bisect", sort_rows=0),
 ]
 
 

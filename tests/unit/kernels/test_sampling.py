@@ -18,9 +18,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels.sampling import sample_rows, top_p_cutoffs
+from engine.kernels.sampling import apply_penalties_in_place, row_masses, sample_rows, top_p_cutoffs
 from engine.kernels.sampling_reference import (
+    PROMPT_FLAG,
+    apply_penalties,
     gumbel_noise,
+    row_masses_reference,
     row_states,
     sample_reference,
     top_p_cutoffs_reference,
@@ -88,14 +91,20 @@ def test_sample_rows_with_cutoffs_never_draws_below_them(device):
     assert_same_tokens(tokens, logits, temperature, cutoff, key_lo, key_hi, position, exact=not ON_CUDA)
 
 
-def test_argmax_rows_break_ties_as_torch(device):
-    logits = torch.zeros(3, 40, device=device)
-    logits[0, [5, 9, 30]] = 1.0  # ties within one block and across blocks
+@pytest.mark.parametrize("vocab", [40, 3000])  # one block; several blocks split over programs
+def test_argmax_rows_break_ties_as_torch(device, vocab):
+    logits = torch.zeros(4, vocab, device=device)
+    logits[0, [5, 9, 30, vocab - 1]] = 1.0  # ties within a block and, at 3000, across chunks
     logits[1] = float("-inf")
-    logits[2, 39] = 2.0
-    zeros = torch.zeros(3, dtype=torch.int32, device=device)
-    tokens = sample_rows(logits, torch.zeros(3, device=device), zeros, zeros, zeros)
-    assert tokens.tolist() == logits.argmax(-1).tolist() == [5, 0, 39]
+    logits[2, vocab - 1] = 2.0
+    logits[3, : vocab // 2] = float("-inf")  # a chunk of -inf before the maximum's
+    logits[3, vocab - 2] = 0.5
+    zeros = torch.zeros(4, dtype=torch.int32, device=device)
+    tokens = sample_rows(logits, torch.zeros(4, device=device), zeros, zeros, zeros)
+    assert tokens.tolist() == logits.argmax(-1).tolist() == [5, 0, vocab - 1, vocab - 2]
+    cutoff = torch.full((4,), float("inf"), device=device)  # every token cut: the first, as torch
+    tokens = sample_rows(logits, torch.ones(4, device=device), zeros, zeros, zeros, cutoff=cutoff)
+    assert tokens.tolist() == [0, 0, 0, 0]
 
 
 def test_same_key_and_position_same_token_any_row(device):
@@ -156,6 +165,43 @@ def test_top_p_bisection_reads_the_rows_it_is_given(device):
     )
     expected = top_p_cutoffs_reference(logits[pick], temperature[pick], top_p[pick], lower[pick])
     assert torch.equal(cutoff, expected)
+
+
+@pytest.mark.parametrize("vocab", [1, 300, 5000])
+def test_row_masses_match_reference(device, vocab):
+    logits, temperature, _, lower = _nucleus_case(8, vocab, device, seed=vocab + 1)
+    rows = torch.tensor([3, 0, 7, 7], dtype=torch.int32, device=device)
+    pick = rows.long()
+    top = logits[pick].amax(-1)
+    masses = row_masses(logits, rows, top, temperature[pick].contiguous(), lower[pick].contiguous())
+    expected = row_masses_reference(logits[pick], top, temperature[pick], lower[pick])
+    torch.testing.assert_close(masses, expected, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("rows,vocab", [(3, 7), (5, 300), (2, 5000)])
+def test_penalties_in_place_match_reference(device, rows, vocab):
+    generator = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(rows, vocab, generator=generator) * 3).to(device)
+    counts = torch.randint(0, 3, (4, vocab), dtype=torch.int32, generator=generator)
+    counts[torch.rand(4, vocab, generator=generator) < 0.2] |= PROMPT_FLAG
+    counts = counts.to(device)
+    table = torch.zeros(rows, 11, device=device)  # penalties as strided columns of a table
+    table[:, 4] = torch.linspace(-2, 2, rows)
+    table[:, 5] = torch.linspace(1, -1, rows)
+    table[:, 6] = torch.linspace(0.5, 2.5, rows)
+    presence, frequency, repetition = table[:, 4], table[:, 5], table[:, 6]
+    batch_rows = torch.tensor([rows - 1, 0], dtype=torch.int32, device=device)  # a row left alone
+    count_rows = torch.tensor([2, 3], dtype=torch.int32, device=device)
+    pick, pool = batch_rows.long(), count_rows.long()
+    expected = logits.clone()
+    expected[pick] = apply_penalties(
+        logits[pick], counts[pool], presence[pick], frequency[pick], repetition[pick]
+    )
+    apply_penalties_in_place(logits, counts, batch_rows, count_rows, presence, frequency, repetition)
+    if ON_CUDA:  # the compiler may fuse a multiply and a subtract: 1 ulp
+        torch.testing.assert_close(logits, expected, rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(logits, expected)
 
 
 BAD_CALLS = [  # (what the message names, call given logits [4, 16] float32 and int32 zeros [4])
