@@ -232,8 +232,14 @@ class Scheduler:
             if seq.is_finished:  # aborted after scheduling
                 continue
             seq.num_computed_tokens = item.start + item.num_tokens
-            # A one-token step (a decode) can complete a block only on a block boundary.
-            if caching and (item.num_tokens > 1 or seq.num_computed_tokens % block_size == 0):
+            # A block is ready once computed and committed. A one-token step (a decode) completes one
+            # only on a block boundary, and only if its input is known: under async steps it is
+            # usually the PLACEHOLDER of the step in flight, and `commit` registers the block.
+            if (
+                caching
+                and seq.num_pending == 0
+                and (item.num_tokens > 1 or seq.num_computed_tokens % block_size == 0)
+            ):
                 self._cache_blocks(seq)
             if not item.samples:
                 continue
@@ -255,15 +261,17 @@ class Scheduler:
                 continue
             token = next(tokens)
             seq = item.seq
-            if seq.num_pending == 0:  # finished meanwhile (abort, stop string, an earlier stop token)
+            pending = seq.num_pending
+            if pending == 0:  # finished meanwhile (abort, stop string, an earlier stop token)
                 continue
-            seq.output_token_ids[len(seq.output_token_ids) - seq.num_pending] = token
-            seq.num_pending -= 1
+            index = len(seq.output_token_ids) - pending
+            seq.output_token_ids[index] = token
+            seq.num_pending = pending - 1
             # The token may complete a block whose KV is computed: only if it ends on a block boundary.
             if (
                 caching
+                and (len(seq.prompt_token_ids) + index + 1) % block_size == 0
                 and seq.status is SequenceStatus.RUNNING
-                and (seq.num_tokens - seq.num_pending) % block_size == 0
             ):
                 self._cache_blocks(seq)
             if not self._is_stop_token(seq, token):
