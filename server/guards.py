@@ -1,7 +1,8 @@
 """ASGI middleware in front of the app: the API key check and the request size limit.
 
 `create_app` wraps its FastAPI app in both when they are configured. Each answers with the OpenAI
-error body (errors.py) before any handler runs: 401 for a missing or wrong key on a `/v1/` route,
+error body (errors.py) before any handler runs: 401 for a missing or wrong key on a `/v1/` route
+(or /reset_prefix_cache),
 413 for a body over the limit, from its Content-Length or, for a chunked body, as soon as the bytes
 read pass the limit (never after reading it whole).
 """
@@ -17,6 +18,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from server.errors import error_response
 
 PROTECTED_PREFIX = "/v1/"  # /health, /metrics, /version (and the OpenAPI document) stay open
+# Outside /v1/ but not for anyone: flushing the prefix cache slows every request that follows.
+PROTECTED_PATHS = frozenset({"/reset_prefix_cache"})
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # 512 prompts of 4,096 token ids written as JSON take ~12 MiB
 
 
@@ -25,7 +28,7 @@ def _digest(value: bytes) -> bytes:
 
 
 class APIKeyMiddleware:
-    """Every `/v1/` request must carry `Authorization: Bearer <key>`.
+    """Every `/v1/` request (and /reset_prefix_cache) must carry `Authorization: Bearer <key>`.
 
     Both sides are hashed before `hmac.compare_digest`, so the time taken says nothing about the key,
     not even its length.
@@ -36,7 +39,8 @@ class APIKeyMiddleware:
         self._expected = _digest(api_key.encode())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(PROTECTED_PREFIX):
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not (path.startswith(PROTECTED_PREFIX) or path in PROTECTED_PATHS):
             await self.app(scope, receive, send)
             return
         authorization = b""

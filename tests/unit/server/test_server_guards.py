@@ -1,7 +1,7 @@
 """The API key and the request size limit, against a real `python -m server` process (black box).
 
-The key comes from the environment (so it is not in the process listing); /v1/ routes need it, the
-operational routes stay open. Oversized bodies get 413 before they are read whole: the tests send
+The key comes from the environment (so it is not in the process listing); /v1/ routes and
+/reset_prefix_cache need it, the operational routes stay open. Oversized bodies get 413 before they are read whole: the tests send
 the head of a request and never its end, so only an early answer can reach them.
 """
 
@@ -73,7 +73,12 @@ def test_the_key_stays_out_of_the_process_listing(server: ServerProcess) -> None
 )
 @pytest.mark.parametrize(
     ("method", "path"),
-    [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")],
+    [
+        ("GET", "/v1/models"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/reset_prefix_cache"),
+    ],
 )
 def test_v1_routes_refuse_a_missing_or_wrong_key(
     server: ServerProcess, headers: dict[str, str], method: str, path: str
@@ -91,6 +96,7 @@ def test_v1_routes_take_the_right_key(server: ServerProcess) -> None:
         assert completion.status_code == 200 and completion.json()["usage"]["completion_tokens"] == 2
         lowercase = client.get("/v1/models", headers={"Authorization": f"bearer {KEY}"})
         assert lowercase.status_code == 200
+        assert client.post("/reset_prefix_cache").status_code == 200
 
 
 @pytest.mark.parametrize("path", ["/health", "/metrics", "/version"])
