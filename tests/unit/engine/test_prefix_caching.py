@@ -10,6 +10,7 @@ computed again into a block of its own, comes out bit for bit what the cached bl
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -155,3 +156,34 @@ def test_shared_blocks_are_never_written_and_the_recomputed_block_is_bit_identic
     assert torch.equal(_kv(engine, second_table[2:3]), before[:, :, 2:3]), "recomputed KV differs"
     assert second_tokens == first_tokens
     engine.allocator.check_integrity()
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_triton_path_gives_the_same_tokens_with_the_cache(tiny_model_dir):
+    """float32 on CUDA (Triton kernels, decode graphs): with the cache on, the paged prefill kernel
+    starts prompts after shared blocks; the tokens must be the cache-off ones, together and one after
+    another."""
+    prompts = _prompts()
+    names = list(prompts)
+    results = {}
+    for caching in (True, False):
+        llm = _llm(
+            tiny_model_dir,
+            device="cuda",
+            dtype="float32",
+            max_num_batched_tokens=32,
+            max_num_seqs=4,
+            enable_prefix_caching=caching,
+        )
+        assert llm.engine.runner.backend.name == "triton" and llm.engine.runner.graphs is not None
+        together = [o.token_ids for o in llm.generate([prompts[n] for n in names], PARAMS)]
+        one_by_one = [llm.generate(prompts[n], PARAMS)[0].token_ids for n in names]
+        stats = llm.engine.stats()
+        assert stats.kv_blocks_used == 0
+        llm.engine.allocator.check_integrity()
+        results[caching] = (together, one_by_one, stats.prefix_cache_hits)
+        del llm
+        gc.collect()  # the engine holds reference cycles: free its KV cache before the next one sizes its own
+        torch.cuda.empty_cache()
+    assert results[True][:2] == results[False][:2]
+    assert results[True][2] > 0 and results[False][2] == 0
