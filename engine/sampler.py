@@ -60,16 +60,18 @@ class FilterMethod:
     when its nucleus ends inside them (peaked distributions); the rows it cannot settle go to the
     bisection kernel on CUDA (no host sync) or a sort on CPU. bisect: the bisection kernel for every
     such row (a sort on CPU). Whatever the method, a step with at most `sort_rows` filtered rows sorts
-    them: a few rows sort as fast as topk finds candidates, and a sort never needs the fallback.
+    them: a lone row sorts about as fast as topk finds its candidates, and a sort never falls back.
 
-    On the H200 (bench_sampling, 2026-12): at 64 and 256 rows of peaked logits, prefix 1024 took 331
-    and 951 us against the sort's 1,370 and 4,584 (flat logits, where every row falls back: 985 and
-    2,504); one row: sort 132 us, prefix 143 (757 when flat).
+    On the H200 (bench_sampling, graph-replayed device time, cutoff and draw): top_p 0.9 over peaked
+    logits (top 50 tokens ~95% of the mass) at 4 / 16 / 64 / 256 rows, prefix 1024 took 154 / 185 /
+    336 / 950 us, the sort 385 / 580 / 1,373 / 4,583, bisect 645 / 670 / 722 / 1,767; over flat
+    logits (randn: the nucleus is most of the vocabulary, every row falls back) prefix 769 / 814 / 982
+    / 2,500. One row: sort 134 us, prefix 143 (755 flat): hence sort_rows = 1.
     """
 
     top_p: Literal["sort", "prefix", "bisect"] = "prefix"
     prefix: int = 1024
-    sort_rows: int = 4
+    sort_rows: int = 1
 
 
 FILTER_METHOD = FilterMethod()  # chosen by engine/kernels/bench_sampling.py on the H200

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
 
-# What torch.Generator.manual_seed takes: a signed or unsigned 64-bit integer.
+# Any signed or unsigned 64-bit integer (what torch.Generator took, before draws were keyed by the
+# seed itself, mod 2^64: engine/sampler.py).
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
 

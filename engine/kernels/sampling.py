@@ -1,11 +1,13 @@
-"""Sampling kernels: the fused Gumbel-max draw over whole rows, and the nucleus (top-p) cutoff by
-bisection. The sampler (engine/sampler.py) calls them on CUDA; engine/kernels/sampling_reference.py
-is their torch reference, which the CPU engine runs and the tests compare with token for token.
+"""Sampling kernels: the fused Gumbel-max draw, penalties, the row mass, and the nucleus (top-p)
+cutoff by bisection. The sampler (engine/sampler.py) calls them on CUDA; engine/kernels/
+sampling_reference.py is their torch reference, which the CPU engine runs and the tests compare with.
 
-`sample_rows`: one program a row walks the vocabulary in blocks, keeps the tokens at or above the
-row's cutoff, adds temperature x Gumbel noise hashed from (key, position, token index) and keeps the
-running argmax, so a draw reads the logits once and writes one token: no sort, no probabilities, no
-generator state. A row of temperature 0 takes the plain argmax (lowest index on ties, as torch).
+`sample_rows`: each row is split into chunks of the vocabulary, a program a chunk (so that even one
+row fills the GPU: 8 us at batch 1 on the H200, against 104 us for one program a row); a program keeps
+the tokens at or above the row's cutoff, adds temperature x Gumbel noise hashed from (key, position,
+token index) and keeps a running argmax per lane; a second small kernel merges the chunks. A draw
+reads the logits once and writes one token: no sort, no probabilities, no generator state. A row of
+temperature 0 takes the plain argmax (lowest index on ties, as torch).
 
 `apply_penalties_in_place`: repetition, presence and frequency penalties from the count rows, in one
 pass over the penalized rows. `row_masses`: softmax's denominator of rows, split like the draw.

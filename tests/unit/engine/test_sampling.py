@@ -1,4 +1,5 @@
-"""Sampling through the offline API: seeds, top-k, top-p, stop strings and stop token ids."""
+"""Sampling through the offline API: seeds (alone, batched, chunked; CUDA graphs on and off under
+`gpu`), top-k, top-p and min-p (the kept sets of each FilterMethod), stop strings and stop token ids."""
 
 from __future__ import annotations
 
