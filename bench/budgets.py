@@ -6,6 +6,11 @@ budgets (ttft_p50_s, tpot_p50_s, open loop below saturation) ask new <= budget x
 ones (`offline_*`, OFFLINE_BUDGETS) likewise, by their figure's direction. A lenient budget, under 0.5
 for throughput or over 2 for latency, must say why in one line (`reason`).
 
+Each sampling mode has budgets of its own (bench.trials.SAMPLING_MODES): `[vllm]` holds the greedy
+figures, `[vllm.sampled]` (and its per-level tables, `[vllm.sampled.output_tok_s]`) the sampled ones,
+read as the section `vllm.sampled` (`budget_section`); a mode without its section has nothing to hold
+its figures to, and the tier reports each of its checks as skipped, by name.
+
 Which checks are judged here (`judged_here`): against a reference measured on this machine, every one;
 against a stored one from another machine, only a vLLM reference's, whose budgets allow for the spread
 between hosts. Elsewhere the figures are shown with their ratios (`shown_only`), and only what is
@@ -23,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.metrics import metric_direction
+from bench.trials import GREEDY, SAMPLING_MODES
 
 # Offline budgets (`bench offline`): name in the budget file -> the offline figure it holds. Output
 # tokens/s is held in every offline mode both sides ran (all at once, closed loops), the others in
@@ -164,14 +170,31 @@ def skipped(level: str, metric: str, why: str) -> BudgetCheck:
     return BudgetCheck(level, metric, math.nan, math.nan, math.nan, skipped=why)
 
 
+def budget_section(reference_target: str, mode: str) -> str:
+    """The budget file's section for figures of `mode` held to a `reference_target` reference:
+    `vllm` for greedy (the sections the file always had), `vllm.sampled` for sampled."""
+    return reference_target if mode == GREEDY else f"{reference_target}.{mode}"
+
+
 def load_budgets(path: str | Path) -> dict[str, dict[str, dict[str, Budget]]]:
-    """{reference target: {metric: {level: Budget}}}. A metric's entry is one budget for every level
-    (a number or `{ budget, reason }`, stored under ANY_LEVEL) or a table of them by level (`[vllm.
-    output_tok_s]` with `1 = ...`, `8 = ...`). Refuses unknown metrics and lenient budgets without a
-    reason."""
+    """{section: {metric: {level: Budget}}}, a section being a reference target (`vllm`, greedy
+    figures) or a reference target and a sampling mode (`vllm.sampled`, from `[vllm.sampled]`). A
+    metric's entry is one budget for every level (a number or `{ budget, reason }`, stored under
+    ANY_LEVEL) or a table of them by level (`[vllm.output_tok_s]` with `1 = ...`, `8 = ...`). Refuses
+    unknown metrics and lenient budgets without a reason."""
     raw = tomllib.loads(Path(path).read_text())
-    budgets: dict[str, dict[str, dict[str, Budget]]] = {}
+    sections: dict[str, dict[str, Any]] = {}
     for reference, entries in raw.items():
+        sections[reference] = {key: entry for key, entry in entries.items() if key not in SAMPLING_MODES}
+        if GREEDY in entries:
+            raise ValueError(
+                f"{path}: [{reference}] holds the greedy budgets itself: no [{reference}.{GREEDY}]"
+            )
+        for mode in SAMPLING_MODES:
+            if mode in entries:
+                sections[budget_section(reference, mode)] = entries[mode]
+    budgets: dict[str, dict[str, dict[str, Budget]]] = {}
+    for reference, entries in sections.items():
         budgets[reference] = {}
         for metric, entry in entries.items():
             if metric not in BUDGETED_METRICS:

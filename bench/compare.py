@@ -4,11 +4,14 @@
 run.json, perf-tier summary JSON with `<key>_min`/`<key>_max` beside each median); which way is
 better comes from bench.metrics.metric_direction; `decide` is the rule for one row (see its
 docstring: the new run's spread can never excuse it). The CLI's `compare` and `ab` print
-`Comparison.table()` or `Comparison.markdown()` and exit with `Comparison.exit_status()`.
+`Comparison.table()` or `Comparison.markdown()` and exit with `Comparison.exit_status()`. Results
+measured in different sampling modes (greedy against sampled) are compared with a note saying so;
+`combine` puts comparisons of several modes (bench ab's) into one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Mapping, Sequence
@@ -20,6 +23,7 @@ from scipy import stats
 
 from bench.metrics import STEP_TIMING, metric_direction
 from bench.results import Result, level_key, load_result
+from bench.trials import GREEDY, describe_sampling, sampling_settings
 
 # The regression gate's limits (the engine against itself): throughput 5 %, latency p50 10 %, no new
 # failures; offline, the same figures per mode, the probes, and step_ms (only where both sides took
@@ -257,6 +261,11 @@ class Comparison:
     rows: list[ComparisonRow]
     unmatched: list[str] = field(default_factory=list)  # levels found on one side only
     machine_note: str | None = None  # set when base and new were measured on different machines
+    sampling_note: str | None = None  # set when base and new sampled differently (greedy vs sampled)
+
+    @property
+    def notes(self) -> list[str]:
+        return [note for note in (self.sampling_note, self.machine_note) if note]
 
     @property
     def regressions(self) -> list[ComparisonRow]:
@@ -319,8 +328,7 @@ class Comparison:
             for line in lines
         ]
         text += [f"only on one side: {name}" for name in self.unmatched]
-        if self.machine_note:
-            text.append(self.machine_note)
+        text += self.notes
         text.append(self.verdict())
         return "\n".join(text)
 
@@ -329,8 +337,8 @@ class Comparison:
         mark = "✅" if self.exit_status() == EXIT_OK else "❌"
         text = [f"### bench compare: {self.base_target or 'base'} → {self.new_target or 'new'}", ""]
         text += [f"{mark} **{self.verdict()}**", ""]
-        if self.machine_note:
-            text += [f"> {self.machine_note}", ""]
+        for note in self.notes:
+            text += [f"> {note}", ""]
         header = self.header()
         text.append("| " + " | ".join(_md(cell) for cell in header) + " |")
         text.append("|" + "|".join(["---", "---", "---:", "---:", "---:", "---:", "---:", "---"]) + "|")
@@ -416,7 +424,52 @@ def compare_results(
                     _row(name, metric, _figure(entry, metric, base), _figure(other, metric, new), limit)
                 )
     unmatched += [f"offline {key} ({new.target or 'new'})" for key in new.offline if key not in base.offline]
-    return Comparison(base.target, new.target, rows, unmatched, machine_note(base, new))
+    return Comparison(
+        base.target, new.target, rows, unmatched, machine_note(base, new), sampling_note(base, new)
+    )
+
+
+def combine(comparisons: Mapping[str, Comparison]) -> Comparison:
+    """Comparisons of one pair in several sampling modes (bench ab's greedy and sampled) as one: the
+    greedy rows as they are, another mode's levels named `sampled: concurrency 8`, so one verdict and
+    one exit status cover every mode (a regression or an unreliable row in any of them counts)."""
+    if not comparisons:
+        raise ValueError("nothing to combine")
+
+    def name(mode: str, level: str) -> str:
+        return level if mode == GREEDY else f"{mode}: {level}"
+
+    first = next(iter(comparisons.values()))
+    rows = [
+        dataclasses.replace(row, level=name(mode, row.level))
+        for mode, comparison in comparisons.items()
+        for row in comparison.rows
+    ]
+    unmatched = [
+        name(mode, level) for mode, comparison in comparisons.items() for level in comparison.unmatched
+    ]
+    notes = [c.machine_note for c in comparisons.values() if c.machine_note]
+    sampling = [c.sampling_note for c in comparisons.values() if c.sampling_note]
+    return Comparison(
+        first.base_target,
+        first.new_target,
+        rows,
+        unmatched,
+        notes[0] if notes else None,
+        "; ".join(sampling) if sampling else None,
+    )
+
+
+def sampling_note(base: Result, new: Result) -> str | None:
+    """A line saying the two results sampled differently (greedy against sampled: two workloads, so a
+    ratio there is not a regression), or None when they sampled alike."""
+    base_sampling, new_sampling = sampling_settings(base.meta), sampling_settings(new.meta)
+    if base_sampling == new_sampling:
+        return None
+    return (
+        f"note: base is {describe_sampling(*base_sampling)}, new is {describe_sampling(*new_sampling)}: "
+        "different workloads, so ratios compare sampling modes, not versions"
+    )
 
 
 def _limit(

@@ -1,15 +1,29 @@
 """How much load the perf tier and `bench ab` send: the `full`, `short` and `smoke` profiles.
 
 tests/perf/conftest.py picks one with `--profile`; bench.ab measures each side of an A/B with one
-(`short` by default). A profile with `sweep=None` runs no open-loop sweep (the A/B tests' own).
+(`short` by default). A profile with `sweep=None` runs no open-loop sweep (the A/B tests' own). A
+profile says which sampling modes it measures (bench.trials.SAMPLING_MODES) and may run fewer cases
+in the sampled one (`for_mode`): the CPU smoke keeps CI short that way.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from bench.offline import OfflineLoad, Probes
 from bench.runner import LoadConfig, SweepConfig
+from bench.trials import GREEDY, SAMPLING_MODES
+from bench.workload import WorkloadSpec
+
+
+def seed_mix(mode: str, seed: int = 0) -> WorkloadSpec:
+    """The seed-mix workload in a sampling mode: `seed_mix("sampled")` is `WorkloadSpec(kind="seed-mix",
+    seed=0, **SAMPLED)`."""
+    settings = SAMPLING_MODES[mode]
+    return WorkloadSpec(
+        kind="seed-mix", seed=seed, temperature=settings["temperature"], top_p=settings["top_p"]
+    )
 
 
 @dataclass(frozen=True)
@@ -19,7 +33,9 @@ class Profile:
     60 s, so a slow server's trial takes longer (vLLM: ~5 minutes a trial on an H200); `short`:
     capacity and two closed-loop levels of both targets in one command; `smoke` exercises the whole
     pipeline on CPU in a few minutes. `offline`: the offline case's run (all at once, then the two
-    probes), before the target's server starts."""
+    probes), before the target's server starts. `sampling`: the modes measured, each with every case,
+    except that the sampled mode runs the sweep only if `sampled_sweep` and only the concurrencies
+    `sampled_concurrencies` (None: all of them)."""
 
     name: str
     sweep: SweepConfig | None
@@ -29,6 +45,33 @@ class Profile:
     warmup: LoadConfig
     warmup_concurrency: int
     offline: OfflineLoad
+    sampling: tuple[str, ...] = (GREEDY,)
+    sampled_sweep: bool = True
+    sampled_concurrencies: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if unknown := [mode for mode in self.sampling if mode not in SAMPLING_MODES]:
+            raise ValueError(
+                f"profile {self.name}: unknown sampling modes {unknown} ({sorted(SAMPLING_MODES)})"
+            )
+        if extra := set(self.sampled_concurrencies or ()) - set(self.concurrencies):
+            raise ValueError(
+                f"profile {self.name}: sampled concurrencies {sorted(extra)} not in {self.concurrencies}"
+            )
+
+    def for_mode(self, mode: str) -> Profile:
+        """The profile as `mode` runs it: greedy every case; sampled without the sweep unless
+        `sampled_sweep`, and at `sampled_concurrencies` where given. The offline case runs in every
+        mode the profile measures."""
+        if mode == GREEDY:
+            return self
+        return dataclasses.replace(
+            self,
+            sweep=self.sweep if self.sampled_sweep else None,
+            concurrencies=self.concurrencies
+            if self.sampled_concurrencies is None
+            else self.sampled_concurrencies,
+        )
 
 
 PROFILES = {
@@ -41,8 +84,10 @@ PROFILES = {
         warmup=LoadConfig(duration_s=15.0, progress=False),
         warmup_concurrency=64,
         offline=OfflineLoad(n_requests=1000, warmup=32),
+        sampling=("greedy", "sampled"),
     ),
-    # Capacity and the closed loop at 1 and 128 of both targets in one 10-minute command (--target both).
+    # Capacity and the closed loop at 1 and 128 of both targets in one 10-minute command (--target both),
+    # for one sampling mode: both modes take two such commands (`-k greedy`, `-k sampled`).
     "short": Profile(
         name="short",
         sweep=SweepConfig(start_rate=1.0, max_levels=8, latency_multiple=2.0, max_level_s=20.0),
@@ -52,6 +97,7 @@ PROFILES = {
         warmup=LoadConfig(duration_s=8.0, progress=False),
         warmup_concurrency=32,
         offline=OfflineLoad(n_requests=300, warmup=16),
+        sampling=("greedy", "sampled"),
     ),
     "smoke": Profile(
         name="smoke",
@@ -68,5 +114,11 @@ PROFILES = {
             warmup=1,
             probes=Probes(single_prompt_len=16, single_tokens=32, prefill_prompts=2, prefill_prompt_len=512),
         ),
+        # Sampled too, but only the offline case and the closed loop at 4 in flight (no sweep): the
+        # sampler's path end to end, over HTTP and in process, for little CI time (README, "Performance
+        # tier", gives the smoke's time).
+        sampling=("greedy", "sampled"),
+        sampled_sweep=False,
+        sampled_concurrencies=(4,),
     ),
 }

@@ -2,7 +2,9 @@
 
 `write_report(paths, out)` loads each path with bench.results.load_result and writes one
 self-contained page: served vs offered rate, TTFT and latency vs rate, tokens/s vs concurrency,
-and tables of the numbers. The CLI's `report` subcommand calls it.
+and tables of the numbers. Results measured in several sampling modes (the perf tier's greedy and
+sampled summaries) get a section each, so a figure sets side by side only results of one workload.
+The CLI's `report` subcommand and the perf tier call it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ matplotlib.use("Agg")  # no display: render to PNG only
 import matplotlib.pyplot as plt  # noqa: E402
 
 from bench.results import Result, level_key, load_result  # noqa: E402
+from bench.trials import describe_sampling, sampling_settings  # noqa: E402
 
 # (summary key, column header, format): latencies are stored in seconds and shown in milliseconds
 OPEN_COLUMNS = [
@@ -69,6 +72,7 @@ FORMATS = {
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 24px; color: #222; max-width: 1200px; }
 h1 { font-size: 22px; } h2 { font-size: 18px; margin-top: 28px; border-bottom: 1px solid #ddd; }
+h3 { font-size: 15px; margin-top: 20px; }
 table { border-collapse: collapse; font-size: 12px; margin: 8px 0 16px; }
 th, td { border: 1px solid #ddd; padding: 3px 6px; text-align: right; white-space: nowrap; }
 th { background: #f3f3f3; white-space: normal; vertical-align: bottom; max-width: 70px; }
@@ -90,12 +94,14 @@ def write_report(paths: Sequence[str | Path], out: str | Path) -> Path:
 
 
 def _name_targets(results: list[Result]) -> None:
-    """Targets must be distinguishable in legends: fall back to the folder name, then number them."""
+    """Targets must be distinguishable in legends: fall back to the folder name, then number them.
+    Results of different sampling modes never share a figure, so one target's greedy and sampled
+    summaries keep its name (the targets table says how each sampled)."""
     for result in results:
         result.target = result.target or Path(result.path).name
-    names = [result.target for result in results]
+    names = [(result.target, _sampling(result)) for result in results]
     for i, result in enumerate(results):
-        if names.count(result.target) > 1:
+        if names.count((result.target, _sampling(result))) > 1:
             result.target = f"{result.target} ({Path(result.path).name or i + 1})"
 
 
@@ -106,24 +112,48 @@ def render(results: Sequence[Result]) -> str:
         f"<h1>Benchmark: {', '.join(html.escape(r.target) for r in results)}</h1>",
         _targets_table(results),
     ]
-    opened = any(_levels(r, "open") for r in results)
-    closed = any(_levels(r, "closed") for r in results)
-    if opened:
-        parts.append("<h2>Open loop: requests arrive at a rate</h2>")
-        parts.append(_img(_plot_open(results)))
-        parts.append(_levels_table(results, "open", OPEN_COLUMNS))
-    if closed:
-        parts.append("<h2>Closed loop: a fixed number of requests in flight</h2>")
-        parts.append(_img(_plot_closed(results)))
-        parts.append(_levels_table(results, "closed", CLOSED_COLUMNS))
-    offline = any(r.offline for r in results)
-    if offline:
-        parts.append("<h2>Offline: the step-level engine driven in process, no HTTP</h2>")
-        parts.append(_offline_table(results))
-    if not opened and not closed and not offline:
+    groups = _by_sampling(results)
+    drawn = False
+    for label, group in groups.items():
+        if len(groups) > 1:
+            parts.append(f"<h2>{html.escape(label.capitalize())}</h2>")
+        sections = _sections(group, "h3" if len(groups) > 1 else "h2")
+        parts += sections
+        drawn = drawn or bool(sections)
+    if not drawn:
         parts.append("<p>No levels in these results.</p>")
     parts.append("</body></html>")
     return "\n".join(parts)
+
+
+def _sampling(result: Result) -> str:
+    """How a result sampled, as the report names it: `greedy`, `sampled (temperature 1, top_p 0.95)`."""
+    return describe_sampling(*sampling_settings(result.meta))
+
+
+def _by_sampling(results: Sequence[Result]) -> dict[str, list[Result]]:
+    """The results by how they sampled, in the order each mode first appears."""
+    groups: dict[str, list[Result]] = {}
+    for result in results:
+        groups.setdefault(_sampling(result), []).append(result)
+    return groups
+
+
+def _sections(results: Sequence[Result], heading: str) -> list[str]:
+    """The open-loop, closed-loop and offline figures and tables of results of one workload."""
+    parts = []
+    if any(_levels(r, "open") for r in results):
+        parts.append(f"<{heading}>Open loop: requests arrive at a rate</{heading}>")
+        parts.append(_img(_plot_open(results)))
+        parts.append(_levels_table(results, "open", OPEN_COLUMNS))
+    if any(_levels(r, "closed") for r in results):
+        parts.append(f"<{heading}>Closed loop: a fixed number of requests in flight</{heading}>")
+        parts.append(_img(_plot_closed(results)))
+        parts.append(_levels_table(results, "closed", CLOSED_COLUMNS))
+    if any(r.offline for r in results):
+        parts.append(f"<{heading}>Offline: the step-level engine driven in process, no HTTP</{heading}>")
+        parts.append(_offline_table(results))
+    return parts
 
 
 def _levels(result: Result, mode: str) -> list[dict[str, Any]]:
@@ -155,6 +185,7 @@ def _targets_table(results: Sequence[Result]) -> str:
             "<tr>"
             f"<td class='text'>{html.escape(r.target)}</td>"
             f"<td class='text'>{html.escape(str(meta.get('model', '')))}</td>"
+            f"<td class='text'>{html.escape(_sampling(r))}</td>"
             f"<td class='text'><details><summary>{html.escape(headline or 'details')}</summary>"
             f"<pre>{html.escape(json.dumps(description, indent=1)[:3000])}</pre></details></td>"
             f"<td>{_num(rtt.get('rtt_median_s'), 'ms')}</td>"
@@ -165,7 +196,7 @@ def _targets_table(results: Sequence[Result]) -> str:
         )
     head = "".join(
         f"<th class='text'>{h}</th>"
-        for h in ("target", "model", "server", "RTT ms", "stream", "capacity", "run", "warnings")
+        for h in ("target", "model", "sampling", "server", "RTT ms", "stream", "capacity", "run", "warnings")
     )
     return f"<table class='meta'><tr>{head}</tr>{''.join(rows)}</table>"
 

@@ -1,8 +1,10 @@
 """Repeated trials folded into the perf tier's summary: each figure's median, with its min and max.
 
 The perf tier runs every case `trials` times (pytest-benchmark rounds) and calls `summarize_trials`
-once per target at the end. The summary's keys are bench's flat keys, so `bench compare` and
-`bench report` read it like a run.json; the `_min`/`_max` columns are what the noise rule reads.
+once per target and sampling mode at the end. The summary's keys are bench's flat keys, so `bench
+compare` and `bench report` read it like a run.json; the `_min`/`_max` columns are what the noise rule
+reads. The sampling modes (greedy, sampled) and their summaries' file names live here too, for the
+tier, `bench ab`, `bench merge`, the report and `bench compare` alike.
 """
 
 from __future__ import annotations
@@ -12,6 +14,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from bench.metrics import STEP_TIMING
+from bench.workload import SAMPLED
+
+# The sampling modes the seed-mix workload is measured in, each as WorkloadSpec's temperature and top_p:
+# greedy, as every stored baseline before them was measured, and sampled, what a typical chat client
+# sends (the OpenAI API's default temperature; bench.workload.SAMPLED). Greedy runs first.
+GREEDY = "greedy"
+SAMPLING_MODES: dict[str, dict[str, float]] = {
+    GREEDY: {"temperature": 0.0, "top_p": 1.0},
+    "sampled": dict(SAMPLED),
+}
 
 OPEN_LOOP_KEYS = (
     "served_req_s",
@@ -41,6 +53,38 @@ OFFLINE_KEYS = (
     "single_tpot_s",
     "prefill_tok_s",
 )
+
+
+def summary_name(stem: str, mode: str) -> str:
+    """The file of a target's (or an A/B side's) summary in a sampling mode: `engine-seed-mix.json` for
+    greedy, the name every stored baseline already has, `engine-seed-mix-sampled.json` for sampled."""
+    return f"{stem}-seed-mix{'' if mode == GREEDY else f'-{mode}'}.json"
+
+
+def sampling_header(mode: str) -> dict[str, Any]:
+    """What a summary says about its sampling: the mode's name and its settings."""
+    return {"sampling": mode, **SAMPLING_MODES[mode]}
+
+
+def sampling_mode(summary: Mapping[str, Any]) -> str:
+    """The sampling mode a summary was measured in: its `sampling`, else greedy (a summary stored before
+    the tier measured sampled workloads was greedy)."""
+    return str(summary.get("sampling") or GREEDY)
+
+
+def sampling_settings(meta: Mapping[str, Any]) -> tuple[float, float]:
+    """(temperature, top_p) of a result: a summary's own keys, a run.json's workload (`bench run`,
+    `bench offline`), else greedy's (results stored before the workload said how it samples)."""
+    workload = (meta.get("config") or {}).get("workload") or {}
+    source = meta if "temperature" in meta else workload
+    return float(source.get("temperature", 0.0)), float(source.get("top_p", 1.0))
+
+
+def describe_sampling(temperature: float, top_p: float) -> str:
+    """`greedy`, or `sampled (temperature 1, top_p 0.95)`: how the report and compare name it."""
+    if temperature == 0:
+        return GREEDY
+    return f"sampled (temperature {temperature:g}, top_p {top_p:g})"
 
 
 def spread(values: Sequence[float | None], key: str) -> dict[str, Any]:
@@ -141,7 +185,8 @@ def merge_summaries(
 
     A full-profile trial can take most of a time-limited command, so trials may be run one per
     command and merged afterwards: each input's figures are one trial's values. Inputs must agree on
-    target, model, GPU and workload, and each must hold exactly one trial.
+    target, model, GPU, workload and sampling mode (a greedy and a sampled trial are two workloads),
+    and each must hold exactly one trial.
 
     sweep_from: take the open-loop sweep (and capacity) from these runs instead, and only the closed
     loops from `summaries`: for sweeps re-run on their own (`pytest -m perf -k sweep`). The result
@@ -158,6 +203,10 @@ def merge_summaries(
         for key in ("target", "model", "gpu", "workload"):
             if summary.get(key) != first.get(key):
                 raise ValueError(f"summaries differ in {key}: {first.get(key)!r} vs {summary.get(key)!r}")
+        if sampling_mode(summary) != sampling_mode(first):
+            raise ValueError(
+                f"summaries differ in sampling: {sampling_mode(first)!r} vs {sampling_mode(summary)!r}"
+            )
     sweeps = summaries if sweep_from is None else sweep_from
     sweep_trials = [
         {
