@@ -96,13 +96,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption(
         "--baseline",
-        default=None,
-        help="reference summary JSON (default: baselines/<gpu>/<model>/vllm-seed-mix.json, else engine-seed-mix.json)",
+        action="append",
+        default=[],
+        help="reference summary JSON for the sampling mode it was measured in; once per mode (default: "
+        "baselines/<gpu>/<model>/vllm-seed-mix.json, else engine-seed-mix.json; sampled: "
+        "vllm-seed-mix-sampled.json, else engine-seed-mix-sampled.json)",
     )
     group.addoption(
         "--save-baseline",
         action="store_true",
-        help="store each target's summary under baselines/<gpu>/<model>/",
+        help="store each target's summary of each sampling mode measured under baselines/<gpu>/<model>/ "
+        "(<target>-seed-mix.json, <target>-seed-mix-sampled.json; -k sampled stores only that one)",
     )
     group.addoption(
         "--perf-out",

@@ -1,12 +1,15 @@
 """The perf tier's machinery: settings from the command line, the server under test, the recorder.
 
 `pytest -m perf` measures each target (`--target engine|vllm|both`; both = vLLM first, then the
-engine, on the same machine) with bench's seed-mix workload. Each target's offline case runs first,
-in a child process (`bench offline`), before its server starts; then a session fixture starts the
-target's server once (or uses one already running: `--server-url`, or `--server-info` from `python -m
-bench serve`), warms it up, and always stops it. The recorder keeps every
-trial's figures, checks budgets (tests/perf/budgets.toml) against the reference, and at the end writes
-one summary JSON per target (and, with --save-baseline, stores it under baselines/<gpu>/<model>/).
+engine, on the same machine) with bench's seed-mix workload, in each sampling mode the profile runs
+(greedy and sampled: the `sampling` parameter of every case, `-k sampled` selects one). Each target's
+offline cases run first, in a child process (`bench offline`), before its server starts; then a session
+fixture starts the target's server once (or uses one already running: `--server-url`, or
+`--server-info` from `python -m bench serve`), warms it up in every mode it will serve, and always stops
+it. The recorder keeps every trial's figures by target and mode, checks budgets (tests/perf/
+budgets.toml, a section per mode) against the reference of the same mode, and at the end writes one
+summary JSON per target and mode, `{target}-seed-mix.json` and `{target}-seed-mix-sampled.json` (and,
+with --save-baseline, stores them under baselines/<gpu>/<model>/).
 Against a stored reference from another machine the budgets are judged only where bench.budgets.
 judged_here says they hold across machines (vLLM's); otherwise each figure is shown with its ratio
 and budget, and only a failed request, a missing figure or one that is not a finite number fails.
@@ -28,10 +31,12 @@ import pytest
 
 from bench.budgets import (
     BudgetCheck,
+    budget_section,
     judged_here,
     load_budgets,
     may_store_baseline,
     shown_only,
+    skipped,
     tally,
 )
 from bench.client import Endpoint
@@ -45,27 +50,33 @@ from bench.launch import (
 from bench.machine import describe_machine, same_machine
 from bench.offline import describe_entry
 from bench.probe import first_model, probe
-from bench.profiles import PROFILES, Profile
+from bench.profiles import PROFILES, Profile, seed_mix
 from bench.report import write_report
-from bench.runner import run_closed_loop
-from bench.trials import summarize_trials
+from bench.runner import SweepConfig, run_closed_loop
+from bench.trials import (
+    GREEDY,
+    describe_sampling,
+    sampling_header,
+    sampling_mode,
+    summarize_trials,
+    summary_name,
+)
 from bench.workload import WorkloadSpec
 
 REPO = Path(__file__).resolve().parents[2]
-BUDGETS_FILE = Path(__file__).with_name("budgets.toml")
 # Switches read from the environment (the tier's command-line options live in the root conftest.py):
+# PERF_BUDGETS=FILE: budgets from FILE instead of tests/perf/budgets.toml (a draft of new budgets
+# tried on a run before it is reviewed; the tier's own tests).
 # PERF_REQUIRE_REFERENCE=1: no reference for this GPU and model fails the case (with what to do)
 # instead of skipping it, so a CI job cannot be green having checked nothing (perf.yml sets it).
 # PERF_FORCE_SAVE=1: --save-baseline stores the run even when its budgets or cases failed.
 REQUIRE_REFERENCE = "PERF_REQUIRE_REFERENCE"
 FORCE_SAVE = "PERF_FORCE_SAVE"
+BUDGETS_FILE = Path(os.environ.get("PERF_BUDGETS") or Path(__file__).with_name("budgets.toml"))
 
 
 def _switch(name: str) -> bool:
     return os.environ.get(name, "") not in ("", "0")
-
-
-SEED_MIX = WorkloadSpec(kind="seed-mix", seed=0)
 
 
 @dataclass
@@ -77,10 +88,9 @@ class PerfSettings:
     targets: list[str]
     server_url: str | None
     server_infos: dict[str, dict[str, Any]]  # target -> description written by `bench serve`
-    baseline: str | None
+    baselines: dict[str, Path]  # sampling mode -> the --baseline file measured in it
     save_baseline: bool
     out: Path
-    workload: WorkloadSpec = SEED_MIX
 
     @property
     def gpu(self) -> bool:
@@ -126,6 +136,15 @@ def settings(config: pytest.Config) -> PerfSettings:
         raise pytest.UsageError(f"--server-info describes {unmeasured}, not measured with --target {target}")
     if server_url and server_infos:
         raise pytest.UsageError("--server-url and --server-info both name the server: give one")
+    baselines: dict[str, Path] = {}
+    for given in config.getoption("--baseline"):
+        try:
+            mode = sampling_mode(json.loads(Path(given).read_text()))
+        except (OSError, ValueError) as exc:
+            raise pytest.UsageError(f"--baseline {given}: {exc}") from exc
+        if mode in baselines:
+            raise pytest.UsageError(f"--baseline: {baselines[mode]} and {given} are both {mode}: one a mode")
+        baselines[mode] = Path(given)
     result = PerfSettings(
         machine=machine,
         model=config.getoption("--model") or ("qwen2.5-1.5b" if gpu else "tiny"),
@@ -134,7 +153,7 @@ def settings(config: pytest.Config) -> PerfSettings:
         targets=targets,
         server_url=server_url,
         server_infos=server_infos,
-        baseline=config.getoption("--baseline"),
+        baselines=baselines,
         save_baseline=config.getoption("--save-baseline"),
         out=Path(config.getoption("--perf-out")),
     )
@@ -143,23 +162,45 @@ def settings(config: pytest.Config) -> PerfSettings:
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Each case in each sampling mode the profile runs it in (ids `[sampled-4-engine]`, so `-k
+    sampled` selects a mode): the closed loop at each of the mode's concurrencies, the sweep only in
+    modes with one (a case that asks for `sweep`), the offline case in every mode."""
     perf = settings(metafunc.config)
+    if "sampling" in metafunc.fixturenames:
+        profiles = {mode: perf.profile.for_mode(mode) for mode in perf.profile.sampling}
+        if "concurrency" in metafunc.fixturenames:
+            pairs = [(mode, c) for mode, profile in profiles.items() for c in profile.concurrencies]
+            metafunc.parametrize(("sampling", "concurrency"), pairs, ids=[f"{m}-{c}" for m, c in pairs])
+        else:
+            wants_sweep = "sweep" in metafunc.fixturenames
+            modes = [mode for mode, profile in profiles.items() if profile.sweep or not wants_sweep]
+            metafunc.parametrize("sampling", modes)
+    elif "concurrency" in metafunc.fixturenames:
+        metafunc.parametrize("concurrency", perf.profile.concurrencies)
     if "target" in metafunc.fixturenames:
         metafunc.parametrize("target", perf.targets, scope="session")
-    if "concurrency" in metafunc.fixturenames:
-        metafunc.parametrize("concurrency", perf.profile.concurrencies)
+
+
+def _params(item: pytest.Item) -> dict[str, Any]:
+    callspec = getattr(item, "callspec", None)
+    return dict(callspec.params) if callspec else {}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """All cases of one target, then all of the next (vLLM first with --target both): the session's
     server is then started once per target, never twice. Within a target, cases that do not use the
-    server (the offline case) come first, before it starts."""
-    order = {target: i for i, target in enumerate(settings(config).targets)}
+    server (the offline cases) come first, before it starts; then the greedy cases, then the sampled."""
+    perf = settings(config)
+    order = {target: i for i, target in enumerate(perf.targets)}
+    modes = {mode: i for i, mode in enumerate(perf.profile.sampling)}
 
-    def key(item: pytest.Item) -> tuple[int, bool]:
-        callspec = getattr(item, "callspec", None)
-        target = order.get(callspec.params.get("target"), -1) if callspec else -1
-        return (target, "server" in getattr(item, "fixturenames", ()))
+    def key(item: pytest.Item) -> tuple[int, bool, int]:
+        params = _params(item)
+        return (
+            order.get(str(params.get("target")), -1),
+            "server" in getattr(item, "fixturenames", ()),
+            modes.get(str(params.get("sampling")), -1),
+        )
 
     items.sort(key=key)
 
@@ -167,6 +208,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def perf(pytestconfig: pytest.Config) -> PerfSettings:
     return settings(pytestconfig)
+
+
+@pytest.fixture
+def profile(perf: PerfSettings, sampling: str) -> Profile:
+    """The profile as this case's sampling mode runs it (the smoke's sampled mode runs fewer cases)."""
+    return perf.profile.for_mode(sampling)
+
+
+@pytest.fixture
+def workload(sampling: str) -> WorkloadSpec:
+    """The seed-mix workload in this case's sampling mode: greedy, or bench.workload.SAMPLED."""
+    return seed_mix(sampling)
+
+
+@pytest.fixture
+def sweep(profile: Profile) -> SweepConfig:
+    """The sweep of this case's mode (the sweep case is generated only for modes that have one)."""
+    assert profile.sweep is not None
+    return profile.sweep
 
 
 def model_dir(perf: PerfSettings) -> str:
@@ -195,14 +255,27 @@ def model_folder(perf: PerfSettings) -> Callable[[], str]:
 # -- the recorder ----------------------------------------------------------------------------------
 @dataclass
 class TargetRecord:
+    """One target's figures in one sampling mode: one summary file, one reference, one budget section."""
+
     target: str
+    sampling: str
     header: dict[str, Any]
     sweep_trials: list[dict[str, Any]] = field(default_factory=list)
     closed_trials: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     offline_trials: list[dict[str, Any]] = field(default_factory=list)  # each trial's offline section
     checks: list[BudgetCheck] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    server_started: bool = False
+
+    @property
+    def summary_name(self) -> str:
+        return summary_name(self.target, self.sampling)
+
+    @property
+    def title(self) -> str:
+        """How the terminal names it: `engine`, `engine, sampled (temperature 1, top_p 0.95)`."""
+        if self.sampling == GREEDY:
+            return self.target
+        return f"{self.target}, {describe_sampling(self.header['temperature'], self.header['top_p'])}"
 
     @property
     def measured(self) -> bool:
@@ -236,17 +309,19 @@ class Reference:
 class Recorder:
     def __init__(self, perf: PerfSettings) -> None:
         self.perf = perf
-        self.records: dict[str, TargetRecord] = {}
+        self.records: dict[tuple[str, str], TargetRecord] = {}  # by (target, sampling mode)
         self.budgets = load_budgets(BUDGETS_FILE)
         self.servers: dict[str, ServerProcess] = {}  # servers this session started, by target
+        self.served: set[str] = set()  # targets whose server fixture ran: it must run once
 
-    def record(self, target: str) -> TargetRecord:
-        """The target's record, made on first use (by its offline case, else its server) with what
-        every summary says; the server fixture adds what it learns from the server."""
-        if target not in self.records:
+    def record(self, target: str, sampling: str) -> TargetRecord:
+        """The target's record in a sampling mode, made on first use (by its offline case, else its
+        server) with what every summary says; the server fixture adds what it learns from the server."""
+        if (target, sampling) not in self.records:
             perf = self.perf
-            self.records[target] = TargetRecord(
+            self.records[target, sampling] = TargetRecord(
                 target,
+                sampling,
                 header={
                     "target": target,
                     "version": None,
@@ -254,12 +329,13 @@ class Recorder:
                     "model": perf.model_key,
                     "dtype": perf.dtype,
                     "workload": "seed-mix",
+                    **sampling_header(sampling),
                     "profile": perf.profile.name,
                     "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                     "machine": perf.machine,
                 },
             )
-        return self.records[target]
+        return self.records[target, sampling]
 
     def stop_servers(self) -> None:
         """Stop every server this session started (an offline case wants the GPU to itself; with
@@ -267,22 +343,22 @@ class Recorder:
         for process in self.servers.values():
             process.stop()
 
-    def reference_for(self, target: str) -> Reference | None:
-        """vLLM measured in this session, else --baseline, else the stored vLLM result, else the stored
-        engine result for this GPU and model. None when there is none (or when vLLM is the target)."""
+    def stored_candidates(self, sampling: str) -> list[Path]:
+        """Where a stored reference for `sampling` is looked for: the stored vLLM result, then the
+        stored engine result for this GPU and model, in that mode's files."""
+        return [self.perf.baseline_dir() / summary_name(name, sampling) for name in ("vllm", "engine")]
+
+    def reference_for(self, target: str, sampling: str) -> Reference | None:
+        """For figures in `sampling`: vLLM measured in this session in that mode, else the --baseline
+        measured in that mode, else the stored vLLM result, else the stored engine result for this GPU
+        and model, in that mode. None when there is none (or when vLLM is the target)."""
         if target == "vllm":
             return None
-        vllm = self.records.get("vllm")
+        vllm = self.records.get(("vllm", sampling))
         if vllm is not None and vllm.measured:
-            return Reference(
-                self.records["vllm"].summary(self.perf.trials), "vLLM measured in this session", True, True
-            )
-        candidates = (
-            [Path(self.perf.baseline)]
-            if self.perf.baseline
-            else [self.perf.baseline_dir() / f"{name}-seed-mix.json" for name in ("vllm", "engine")]
-        )
-        for path in candidates:
+            return Reference(vllm.summary(self.perf.trials), "vLLM measured in this session", True, True)
+        given = self.perf.baselines.get(sampling)
+        for path in [given] if given else self.stored_candidates(sampling):
             if path.is_file():
                 summary = json.loads(path.read_text())
                 shown = path.relative_to(REPO) if path.is_relative_to(REPO) else path
@@ -293,30 +369,33 @@ class Recorder:
                 return Reference(summary, source, same_machine(summary.get("machine"), self.perf.machine))
         return None
 
-    def check(self, target: str, checks_for, section: str | None = None) -> None:
-        """Assert budgets against the reference, where they can be judged here (`judged_here`: the
-        reference was measured on this machine, or is vLLM's, whose budgets allow for the spread
-        between hosts); else only show them, and fail only on a broken figure (missing, or not a
-        finite number), or, with PERF_REQUIRE_REFERENCE=1, for having judged nothing. Skips, saying
-        why, when there is nothing to hold to (no reference, no budgets against it, or a reference
-        without the `section` these figures need)."""
-        record = self.records[target]
+    def check(self, target: str, sampling: str, checks_for, section: str | None = None) -> None:
+        """Assert budgets against the reference of this sampling mode, where they can be judged here
+        (`judged_here`: the reference was measured on this machine, or is vLLM's, whose budgets allow
+        for the spread between hosts); else only show them, and fail only on a broken figure (missing,
+        or not a finite number), or, with PERF_REQUIRE_REFERENCE=1, for having judged nothing. Skips,
+        saying why, when there is nothing to hold to (no reference in this mode, no budget section for
+        it, or a reference without the `section` these figures need)."""
+        record = self.records[target, sampling]
         self.write(final=False)
         if target == "vllm":
             return  # vLLM is the reference: measured and recorded, nothing to hold it to
-        reference = self.reference_for(target)
+        reference = self.reference_for(target, sampling)
         if reference is None:
-            self.nothing_to_hold(
-                f"no baseline for {self.perf.machine['gpu_slug']}/{self.perf.model_key} (looked in "
-                f"{self.perf.baseline_dir().relative_to(REPO)}): figures recorded, budgets not checked. "
-                "Measure vLLM in the same run (--target both), or store a reference on this GPU "
-                "(pytest -m perf --target vllm --save-baseline) and commit it"
-            )
+            self.nothing_to_hold(self.no_reference(sampling))
             return
-        budgets = self.budgets.get(reference.target)
+        name = budget_section(reference.target, sampling)
+        budgets = self.budgets.get(name)
         if not budgets:
+            # Each check the greedy budgets would make, skipped by name; then the case skips.
+            template = self.budgets.get(reference.target) if sampling != GREEDY else None
+            why = f"{BUDGETS_FILE.name} has no [{name}] budgets"
+            named = checks_for(reference.summary, template) if template else []
+            record.checks += [skipped(check.level, check.metric, why) for check in named]
             self.nothing_to_hold(
-                f"{BUDGETS_FILE.name} has no budgets against a {reference.target!r} reference"
+                f"{why} against a {reference.target!r} reference ({reference.source}): figures recorded, "
+                f"not checked. Add a [{name}] section (and its per-level tables, [{name}.output_tok_s] ...) "
+                "set from measured ratios, as the greedy sections are"
             )
             return
         if section is not None and not reference.summary.get(section):
@@ -340,6 +419,17 @@ class Recorder:
                 pytrace=False,
             )
 
+    def no_reference(self, sampling: str) -> str:
+        """Why a case has no reference in this mode, and exactly how to store one."""
+        looked = ", ".join(str(path.relative_to(REPO)) for path in self.stored_candidates(sampling))
+        store = f"pytest -m perf tests/perf --target vllm -k {sampling} --save-baseline"
+        return (
+            f"no baseline for {self.perf.machine['gpu_slug']}/{self.perf.model_key} ({sampling}: looked for "
+            f"{looked}): figures recorded, budgets not checked. Measure vLLM in the same run (--target "
+            f"both), or store a reference on this GPU ({store}; several trials: scripts/perf_trials.sh "
+            f'with PERF_K={sampling}, then bench merge, README "Performance tier") and commit it'
+        )
+
     def nothing_to_hold(self, why: str) -> None:
         """No reference or no budgets: a skip, or with PERF_REQUIRE_REFERENCE=1 a failure."""
         if _switch(REQUIRE_REFERENCE):
@@ -355,11 +445,11 @@ class Recorder:
 
         Called after every case too (final=False), so a run cut short still leaves its figures."""
         written = []
-        for target, record in self.records.items():
+        for record in self.records.values():
             if not record.measured:
                 continue
             summary = record.summary(self.perf.trials)
-            path = self.perf.out / f"{target}-seed-mix.json"
+            path = self.perf.out / record.summary_name
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(summary, indent=2, allow_nan=False, default=_no_nan) + "\n")
             written.append(path)
@@ -380,14 +470,14 @@ class Recorder:
         """The stored files the measured targets were held to (not a vLLM of this same run, which the
         report shows already), labelled as references in a copy under --perf-out."""
         paths = []
-        for target, record in self.records.items():
-            reference = self.reference_for(target) if record.measured else None
+        for record in self.records.values():
+            reference = self.reference_for(record.target, record.sampling) if record.measured else None
             if reference is None or reference.same_run:
                 continue
             labelled = dict(
                 reference.summary, target=f"reference: {reference.target} ({reference.summary.get('date')})"
             )
-            path = self.perf.out / f"reference-for-{target}.json"
+            path = self.perf.out / f"reference-for-{record.summary_name}"
             path.write_text(json.dumps(labelled, indent=2) + "\n")
             paths.append(path)
         return paths
@@ -427,9 +517,21 @@ class ServerUnderTest:
     endpoint: Endpoint
 
 
+def modes_served(items: list[pytest.Item], target: str) -> list[str]:
+    """The sampling modes of this session's cases against `target`'s server, in the profile's order
+    (greedy when none says)."""
+    modes = [
+        _params(item).get("sampling", GREEDY)
+        for item in items
+        if "server" in getattr(item, "fixturenames", ()) and _params(item).get("target") == target
+    ]
+    return list(dict.fromkeys(modes)) or [GREEDY]
+
+
 @pytest.fixture(scope="session")
-def server(target: str, perf: PerfSettings, recorder: Recorder):
-    """Start the target's server (or use --server-url), describe it, warm it up; always stop it."""
+def server(target: str, perf: PerfSettings, recorder: Recorder, request: pytest.FixtureRequest):
+    """Start the target's server (or use --server-url), describe it, warm it up in each sampling mode
+    its cases use; always stop it."""
     process = None
     ready_after_s = None
     try:
@@ -454,30 +556,31 @@ def server(target: str, perf: PerfSettings, recorder: Recorder):
         )
         described = probe(endpoint)
         body = (described.get("server") or {}).get("body") or {}  # type: ignore[union-attr]
-        record = recorder.record(target)
-        if record.server_started:
+        if target in recorder.served:
             raise RuntimeError(
                 f"the {target} server was started twice in one session: its cases were not grouped"
             )
-        record.server_started = True
-        record.header.update(
-            {
-                "version": body.get("version") if isinstance(body, dict) else record.header["version"],
-                "dtype": "bfloat16"
-                if perf.gpu
-                else (body.get("config", {}).get("dtype") if isinstance(body, dict) else None),
-                "server_args": redact_args(server_args),
-                "server": described.get("server"),
-                "server_ready_s": ready_after_s,
-            }
-        )
+        recorder.served.add(target)
+        modes = modes_served(request.session.items, target)
+        for mode in modes:
+            record = recorder.record(target, mode)
+            record.header.update(
+                {
+                    "version": body.get("version") if isinstance(body, dict) else record.header["version"],
+                    "dtype": "bfloat16"
+                    if perf.gpu
+                    else (body.get("config", {}).get("dtype") if isinstance(body, dict) else None),
+                    "server_args": redact_args(server_args),
+                    "server": described.get("server"),
+                    "server_ready_s": ready_after_s,
+                }
+            )
         # Warm-up, kept out of every figure: a first trial on a cold server ran 7% high on the H200.
-        run_closed_loop(
-            endpoint,
-            WorkloadSpec(kind="seed-mix", seed=1),
-            perf.profile.warmup_concurrency,
-            perf.profile.warmup,
-        )
+        # Each mode its cases use: the sampled path has kernels of its own to compile and warm.
+        for mode in modes:
+            run_closed_loop(
+                endpoint, seed_mix(mode, seed=1), perf.profile.warmup_concurrency, perf.profile.warmup
+            )
         yield ServerUnderTest(target, endpoint)
     finally:
         if process is not None:
@@ -489,10 +592,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     if recorder is None or not recorder.records:
         return
     terminalreporter.section("perf: figures and budgets")
-    for target, record in recorder.records.items():
+    for record in recorder.records.values():
+        if not record.measured:
+            continue
         summary = record.summary(recorder.perf.trials)
         terminalreporter.write_line(
-            f"{target}: capacity {summary.get('capacity_req_s')} req/s (still rising: {summary.get('capacity_still_rising')}), {recorder.perf.trials} trial(s), profile {recorder.perf.profile.name}"
+            f"{record.title}: capacity {summary.get('capacity_req_s')} req/s (still rising: {summary.get('capacity_still_rising')}), {recorder.perf.trials} trial(s), profile {recorder.perf.profile.name}"
         )
         for key, entry in (summary.get("offline") or {}).items():
             terminalreporter.write_line(f"  offline {describe_entry(key, entry)}")

@@ -1,7 +1,8 @@
 """The offline case: the target's step-level engine driven in process (`bench offline`), no HTTP.
 
 It runs in a child process before the target's server starts (a server holds ~90% of GPU memory),
-all of the profile's requests at once, then the two probes; `--trials` rounds through
+once per sampling mode the profile runs (the workload's temperature and top_p reach the target's
+engine), all of the profile's requests at once, then the two probes; `--trials` rounds through
 pytest-benchmark, the figures into the summary's `offline` section, budgets (`offline_*`) against
 the reference. A running server (`--server-url`, `--server-info`) holds the GPU: the case skips.
 """
@@ -13,12 +14,12 @@ import pytest
 from bench.budgets import check_offline
 from bench.launch import vllm_unavailable_reason
 from bench.offline import OfflineConfig, OfflineError, failed_entries, run_offline
-from bench.trials import fold_offline
+from bench.trials import GREEDY, fold_offline
 
 pytestmark = pytest.mark.perf
 
 
-def test_offline(benchmark, target, perf, recorder, model_folder):
+def test_offline(benchmark, target, sampling, workload, profile, perf, recorder, model_folder):
     if perf.server_url or perf.server_infos:
         pytest.skip(
             "offline runs start the target in a process of their own, and the server given by "
@@ -27,31 +28,33 @@ def test_offline(benchmark, target, perf, recorder, model_folder):
     if target == "vllm" and (reason := vllm_unavailable_reason()):
         pytest.skip(reason)
     recorder.stop_servers()  # the GPU to this target alone (--target both: vLLM's server is still up)
-    config = OfflineConfig(
-        target, model_folder(), perf.dtype, workload=perf.workload, load=perf.profile.offline
-    )
+    config = OfflineConfig(target, model_folder(), perf.dtype, workload=workload, load=profile.offline)
     sections = []
     worker: dict = {}
+    log = perf.out / f"{target}-offline{'' if sampling == GREEDY else f'-{sampling}'}.log"
 
     def trial() -> None:
         try:
-            run = run_offline(config, log_path=perf.out / f"{target}-offline.log")
+            run = run_offline(config, log_path=log)
         except OfflineError as exc:
             pytest.fail(str(exc), pytrace=False)
         sections.append(run.section)
         worker.update(run.worker)
 
     benchmark.pedantic(trial, rounds=perf.trials, iterations=1)
-    record = recorder.record(target)
+    record = recorder.record(target, sampling)
     record.offline_trials = sections
     record.header["offline_target"] = worker.get("target")
     if record.header.get("version") is None:
         record.header["version"] = (worker.get("target") or {}).get("version")
     folded = fold_offline(sections)
-    benchmark.extra_info.update(target=target, case="offline", offline=folded)
+    benchmark.extra_info.update(target=target, sampling=sampling, case="offline", offline=folded)
     failed = sorted({key for section in sections for key in failed_entries(section)})
     record.notes.extend(f"failed requests, offline {key}" for key in failed)
-    assert not failed, f"requests failed offline in {failed}: see {perf.out / f'{target}-offline.log'}"
+    assert not failed, f"requests failed offline in {failed}: see {log}"
     recorder.check(
-        target, lambda reference, budgets: check_offline(folded, reference, budgets), section="offline"
+        target,
+        sampling,
+        lambda reference, budgets: check_offline(folded, reference, budgets),
+        section="offline",
     )

@@ -21,9 +21,9 @@ REPO = Path(__file__).resolve().parents[3]
 def perf_tier(
     url: str, out: Path, *args: str, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """The smoke profile's closed loop at 1 in flight against the server at `url`."""
+    """The smoke profile's greedy closed loop at 1 in flight against the server at `url`."""
     arguments = ["-rs", "--server-url", url, "--profile", "smoke", "--trials", "1", "--perf-out", str(out)]
-    return run_perf_tier([*arguments, "-k", "closed_loop and 1", *args], timeout_s=120, env=env)
+    return run_perf_tier([*arguments, "-k", "closed_loop and greedy-1", *args], timeout_s=120, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -124,5 +124,6 @@ def test_a_skipped_offline_case_writes_no_model(fake_url, tmp_path):
     ]
     run = run_perf_tier([*arguments, "-k", "offline", "--model", "tiny"], timeout_s=120)
     assert run.returncode == 0, run.stdout[-2000:]
-    assert "1 skipped" in run.stdout and "holds the GPU" in run.stdout, run.stdout[-2000:]
+    # greedy and sampled, each skipped
+    assert "2 skipped" in run.stdout and "holds the GPU" in run.stdout, run.stdout[-2000:]
     assert not (out / "models").exists()
