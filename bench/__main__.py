@@ -550,7 +550,8 @@ def command_ab(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         return EXIT_BAD_INPUT
     comparison = result.comparison
     print(comparison.markdown() if args.format == "markdown" else comparison.table())
-    print(f"summaries: {result.paths['base']} and {result.paths['new']}", file=sys.stderr)
+    for mode, paths in result.paths.items():
+        print(f"{mode} summaries: {paths['base']} and {paths['new']}", file=sys.stderr)
     return comparison.exit_status()
 
 

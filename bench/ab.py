@@ -8,7 +8,10 @@ trials too few to tell a drop from noise leave the comparison unreliable, pairs 
 `max_trials`. Each trial starts that side's server, warms it up (kept out of every figure),
 runs the profile's sweep and closed loops, and stops it, so only one server holds the GPU and slow
 drifts of the machine fall on both sides alike. Each side's trials fold into a summary (median, min,
-max; bench.trials) that `bench compare` reads, and `run_ab` returns their Comparison.
+max; bench.trials) that `bench compare` reads, and `run_ab` returns their Comparison. A profile that
+runs the sampled mode too (bench.profiles: full, short, smoke) measures both modes in every trial,
+against the same warm server, and each mode is compared on its own (`{side}-seed-mix.json`,
+`{side}-seed-mix-sampled.json`); the one Comparison holds both, the sampled rows named `sampled: ...`.
 
 The pairing (`run_pairs`), one trial's measurement against a warm server (`measure`) and the fold and
 comparison (`fold_side`, `compare_sides`) serve any two servers measured on one machine, not only two
@@ -26,18 +29,24 @@ from pathlib import Path
 from typing import Any
 
 from bench.client import Endpoint
-from bench.compare import DEFAULT_MAX_DROP, EXIT_UNRELIABLE, Comparison, compare_results
+from bench.compare import DEFAULT_MAX_DROP, EXIT_UNRELIABLE, Comparison, combine, compare_results
 from bench.launch import ServerProcess, ServerSpec
 from bench.machine import describe_machine
 from bench.metrics import describe_failures
 from bench.probe import first_model
-from bench.profiles import Profile
+from bench.profiles import Profile, seed_mix
 from bench.results import json_safe
 from bench.runner import run_closed_loop, run_sweep, sweep_failures
-from bench.trials import CLOSED_LOOP_KEYS, OPEN_LOOP_KEYS, summarize_trials
+from bench.trials import (
+    CLOSED_LOOP_KEYS,
+    GREEDY,
+    OPEN_LOOP_KEYS,
+    sampling_header,
+    summarize_trials,
+    summary_name,
+)
 from bench.workload import WorkloadSpec
 
-SEED_MIX = WorkloadSpec(kind="seed-mix", seed=0)
 SIDES = ("base", "new")
 
 
@@ -59,16 +68,15 @@ class AbConfig:
     repo: str = "."
     work_dir: str = "perf-out/ab"  # worktrees, server logs, each side's summary
     start_timeout_s: float = 300.0
-    workload: WorkloadSpec = SEED_MIX
     max_drop: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_MAX_DROP))
     log: Callable[[str], None] = print
 
 
 @dataclass
 class AbResult:
-    summaries: dict[str, dict[str, Any]]  # side -> summary JSON (as the perf tier writes them)
-    paths: dict[str, Path]
-    comparison: Comparison
+    summaries: dict[str, dict[str, dict[str, Any]]]  # mode -> side -> summary (as the perf tier's)
+    paths: dict[str, dict[str, Path]]  # mode -> side -> its summary file
+    comparison: Comparison  # every mode's rows, the sampled ones named `sampled: ...`
 
 
 def _git(repo: str | Path, *args: str) -> str:
@@ -124,8 +132,9 @@ def measure(endpoint: Endpoint, workload: WorkloadSpec, profile: Profile) -> dic
     return trial
 
 
-def run_trial(config: AbConfig, side: str, worktree: Path, number: int) -> dict[str, Any]:
-    """Start `side`'s server from its worktree, warm it up, measure one trial, always stop it."""
+def run_trial(config: AbConfig, side: str, worktree: Path, number: int) -> dict[str, dict[str, Any]]:
+    """Start `side`'s server from its worktree, warm it up in each sampling mode of the profile,
+    measure one trial of each mode (`measure`), always stop it. Returns {mode: that mode's trial}."""
     spec = ServerSpec.for_target("engine", config.model_dir, config.dtype)
     spec.cwd = str(worktree)
     log_path = Path(config.work_dir) / f"{side}-server-{number}.log"
@@ -135,10 +144,15 @@ def run_trial(config: AbConfig, side: str, worktree: Path, number: int) -> dict[
         except (RuntimeError, TimeoutError) as exc:
             raise AbError(f"{side} server ({worktree}) did not start: {exc}") from exc
         endpoint = Endpoint(spec.base_url, model=first_model(spec.base_url), target=side)
-        warmup = WorkloadSpec(kind=config.workload.kind, seed=config.workload.seed + 1)
-        run_closed_loop(endpoint, warmup, config.profile.warmup_concurrency, config.profile.warmup)
-        trial = measure(endpoint, config.workload, config.profile)
-    trial["server_ready_s"] = process.ready_after_s
+        for mode in config.profile.sampling:  # kept out of every figure, each mode's path warmed
+            warmup = seed_mix(mode, seed=1)
+            run_closed_loop(endpoint, warmup, config.profile.warmup_concurrency, config.profile.warmup)
+        trial = {
+            mode: measure(endpoint, seed_mix(mode), config.profile.for_mode(mode))
+            for mode in config.profile.sampling
+        }
+    for measured in trial.values():
+        measured["server_ready_s"] = process.ready_after_s
     return trial
 
 
@@ -197,11 +211,15 @@ def fold_side(header: Mapping[str, Any], trials: list[dict[str, Any]]) -> dict[s
 
 
 def compare_sides(
-    summaries: Mapping[str, dict[str, Any]], work_dir: str | Path, max_drop: Mapping[str, float]
+    summaries: Mapping[str, dict[str, Any]],
+    work_dir: str | Path,
+    max_drop: Mapping[str, float],
+    mode: str = GREEDY,
 ) -> tuple[Comparison, dict[str, Path]]:
-    """Each side's summary written to work_dir/<side>-seed-mix.json, and new compared with base by
-    the gate's rule (bench.compare) at `max_drop`."""
-    paths = {side: Path(work_dir) / f"{side}-seed-mix.json" for side in SIDES}
+    """Each side's summary of one sampling mode written to work_dir/<side>-seed-mix.json (greedy) or
+    <side>-seed-mix-sampled.json, and new compared with base by the gate's rule (bench.compare) at
+    `max_drop`."""
+    paths = {side: Path(work_dir) / summary_name(side, mode) for side in SIDES}
     for side in SIDES:
         paths[side].write_text(json.dumps(json_safe(summaries[side]), indent=2) + "\n")
     return compare_results(paths["base"], paths["new"], max_drop), paths
@@ -209,9 +227,10 @@ def compare_sides(
 
 def run_ab(config: AbConfig) -> AbResult:
     """Both refs, `trials` each, in pairs ordered A B B A ... (`run_pairs`), each trial a server of
-    its own (`run_trial`), more pairs while the comparison is unreliable, up to `max_trials`. Each
-    side's summary is written to work_dir/<side>-seed-mix.json; returns the comparison of new
-    against base."""
+    its own (`run_trial`, every sampling mode of the profile), more pairs while the comparison of any
+    mode is unreliable, up to `max_trials`. Each side's summary of each mode is written to
+    work_dir/<side>-seed-mix.json or <side>-seed-mix-sampled.json; returns the comparison of new
+    against base, every mode's rows in one (`combine`)."""
     refs = {"base": config.base_ref, "new": config.new_ref}
     commits = {side: resolve(config.repo, refs[side]) for side in SIDES}
     work = Path(config.work_dir)
@@ -219,18 +238,29 @@ def run_ab(config: AbConfig) -> AbResult:
     worktrees: dict[str, Path] = {}
     machine = describe_machine()
 
-    def summaries(trials: Trials) -> dict[str, dict[str, Any]]:
+    def summaries(trials: Trials, mode: str) -> dict[str, dict[str, Any]]:
         return {
-            side: fold_side(_header(config, refs, commits, side, trials, machine), trials[side])
+            side: fold_side(
+                {**_header(config, refs, commits, side, trials, machine), **sampling_header(mode)},
+                [trial[mode] for trial in trials[side]],
+            )
             for side in SIDES
         }
+
+    def compare(trials: Trials) -> tuple[Comparison, dict[str, dict[str, Path]]]:
+        compared = {
+            mode: compare_sides(summaries(trials, mode), work, config.max_drop, mode)
+            for mode in config.profile.sampling
+        }
+        comparison = combine({mode: pair[0] for mode, pair in compared.items()})
+        return comparison, {mode: pair[1] for mode, pair in compared.items()}
 
     try:
         for side in SIDES:
             worktrees[side] = add_worktree(config.repo, commits[side], (work / f"worktree-{side}").resolve())
         trials, _ = run_pairs(
             lambda side, number: run_trial(config, side, worktrees[side], number),
-            lambda trials: compare_sides(summaries(trials), work, config.max_drop)[0],
+            lambda trials: compare(trials)[0],
             config.trials,
             config.max_trials,
             config.log,
@@ -239,8 +269,8 @@ def run_ab(config: AbConfig) -> AbResult:
     finally:
         for folder in worktrees.values():
             remove_worktree(config.repo, folder)
-    folded = summaries(trials)
-    comparison, paths = compare_sides(folded, work, config.max_drop)
+    comparison, paths = compare(trials)
+    folded = {mode: summaries(trials, mode) for mode in config.profile.sampling}
     return AbResult(folded, paths, comparison)
 
 
@@ -259,7 +289,7 @@ def _header(
         "commit": commits[side],
         "model": Path(config.model_dir).name,
         "dtype": config.dtype,
-        "workload": config.workload.kind,
+        "workload": "seed-mix",
         "profile": config.profile.name,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine,

@@ -5,6 +5,8 @@ which asks for a measurement that holds still on a busy 2-core machine (see TINY
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import subprocess
 import time
 from pathlib import Path
@@ -112,8 +114,8 @@ def test_a_commit_20_percent_slower_is_caught(repo, tmp_path):
     output = next(row for row in comparison.rows if row.metric == "output_tok_s")
     assert 0.72 < output.ratio < 0.88  # ~0.8: each side really ran its own worktree's server
     assert comparison.exit_status() == 1
-    assert result.summaries["base"]["commit"] == resolve(repo, "base")
-    assert result.summaries["new"]["trials"] == 3 and result.paths["new"].is_file()
+    assert result.summaries["greedy"]["base"]["commit"] == resolve(repo, "base")
+    assert result.summaries["greedy"]["new"]["trials"] == 3 and result.paths["greedy"]["new"].is_file()
     assert not list((tmp_path / "ab").glob("worktree-*")), "worktrees are removed"
     assert time.monotonic() - started < AB_RUN_DEADLINE_S
 
@@ -156,7 +158,7 @@ def _known_trials(monkeypatch, figures: dict[str, list[float]]) -> list[tuple[st
         ran.append((side, number))
         level = {"concurrency": CONCURRENCY, "output_tok_s": figures[side][number - 1], "ttft_p50_s": 0.1}
         level |= {"itl_p50_s": 0.002, "tpot_p50_s": 0.002, "failures": 0}
-        return {"sweep": None, "closed": [level], "failed": []}
+        return {"greedy": {"sweep": None, "closed": [level], "failed": []}}
 
     monkeypatch.setattr(bench.ab, "run_trial", fake_trial)
     return ran
@@ -184,7 +186,7 @@ def test_an_unreliable_verdict_gets_more_trials_until_it_is_decided(repo, tmp_pa
     ]
     assert any("unreliable; one more trial a side (4 of at most 5)" in line for line in log), log
     assert [row.metric for row in result.comparison.regressions] == ["output_tok_s"]
-    assert result.summaries["new"]["trials"] == 4 and result.comparison.exit_status() == 1
+    assert result.summaries["greedy"]["new"]["trials"] == 4 and result.comparison.exit_status() == 1
 
 
 def test_without_max_trials_an_unreliable_verdict_stays_one(repo, tmp_path, monkeypatch):
@@ -205,3 +207,54 @@ def test_max_trials_fewer_than_trials_is_refused(repo, tmp_path, capsys):
     with pytest.raises(SystemExit) as stopped:
         main([*argv, "--max-trials", "2"])
     assert stopped.value.code == 2 and "--max-trials 2 is fewer than --trials 3" in capsys.readouterr().err
+
+
+# -- both sampling modes ---------------------------------------------------------------------------
+BOTH = dataclasses.replace(TINY, sampling=("greedy", "sampled"))
+
+
+def test_a_profile_with_both_modes_measures_and_compares_each(repo, tmp_path):
+    # One trial a side against the stand-in servers: each trial measures both modes on its server,
+    # and each mode's summaries land in files of their own, compared on their own.
+    config = _config(repo, tmp_path, "same")
+    config.profile, config.trials = BOTH, 1
+    result = run_ab(config)
+    for mode, name in (("greedy", "seed-mix.json"), ("sampled", "seed-mix-sampled.json")):
+        for side in ("base", "new"):
+            assert result.paths[mode][side] == tmp_path / "ab" / f"{side}-{name}"
+            assert json.loads(result.paths[mode][side].read_text())["sampling"] == mode
+        assert result.summaries[mode]["new"]["closed_loop"][0]["concurrency"] == CONCURRENCY
+    levels = {row.level for row in result.comparison.rows}
+    assert {"concurrency 8", "sampled: concurrency 8"} <= levels, levels
+
+
+def test_a_regression_in_the_sampled_mode_alone_is_caught(repo, tmp_path, monkeypatch):
+    # greedy alike on both sides, sampled 20 % fewer tokens/s in new: one regression, named sampled
+    import bench.ab
+
+    figures = {
+        ("base", "greedy"): [100.0, 99.0, 101.0],
+        ("new", "greedy"): [100.5, 99.5, 100.0],
+        ("base", "sampled"): [50.0, 49.5, 50.5],
+        ("new", "sampled"): [40.0, 39.5, 40.5],
+    }
+
+    def fake_trial(config, side, worktree, number):
+        def measured(mode: str) -> dict:
+            level = {
+                "concurrency": CONCURRENCY,
+                "output_tok_s": figures[side, mode][number - 1],
+                "failures": 0,
+            }
+            return {"sweep": None, "closed": [level], "failed": []}
+
+        return {mode: measured(mode) for mode in config.profile.sampling}
+
+    monkeypatch.setattr(bench.ab, "run_trial", fake_trial)
+    config = _config(repo, tmp_path, "same")
+    config.profile = BOTH
+    comparison = run_ab(config).comparison
+    assert [(row.level, row.metric) for row in comparison.regressions] == [
+        ("sampled: concurrency 8", "output_tok_s")
+    ], comparison.table()
+    assert comparison.exit_status() == 1
