@@ -13,7 +13,9 @@ PY=${PYTHON:-python3}
 lock=requirements/cpu.txt
 torch_index=(--extra-index-url https://download.pytorch.org/whl/cpu --retries 1)
 if ! "$PY" -c "import torch" 2>/dev/null; then
-  "$PY" -m pip install -q -c "$lock" "${torch_index[@]}" torch triton
+  # torch alone from there (its needs come with the project below, through the lock, from the usual
+  # index): where PyTorch's index cannot be reached, pip says so once, not once for each of them.
+  "$PY" -m pip install -q --no-deps -c "$lock" "${torch_index[@]}" torch
 fi
 # The lock less torch and triton, so that a machine's own builds of those two stay as they are.
 others=$(mktemp)
