@@ -60,5 +60,7 @@ def test_every_dependency_is_locked_at_a_version_its_range_admits():
     assert not problems, "run `bash scripts/lock.sh` and commit requirements/cpu.txt:\n" + "\n".join(problems)
 
 
-def test_the_lock_holds_the_cpu_build_of_torch():
+def test_the_lock_holds_the_cpu_build_of_torch_and_no_local_path():
     assert locked()["torch"].local == "cpu"
+    lines = (REPO / "requirements/cpu.txt").read_text().splitlines()
+    assert not [line for line in lines if " @ " in line or line.startswith("-e")]  # e.g. this checkout
