@@ -42,6 +42,14 @@ class Target(Protocol):
     def describe(self) -> dict[str, Any]: ...
 
 
+def sampling_params(factory: Any, request: Request) -> Any:
+    """The request's SamplingParams from a target's own class (the engine's and vLLM's take the same
+    names): the workload's sampling, ignore_eos so that every request generates its whole budget."""
+    return factory(
+        max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p, ignore_eos=True
+    )
+
+
 class EngineTarget:
     """This project's `engine.LLMEngine`: greedy, ignore_eos, the perf tier's options (prefix caching
     off, as vLLM's below, unless `options` turn it on)."""
@@ -67,12 +75,7 @@ class EngineTarget:
         )
 
     def add(self, request_id: str, request: Request) -> None:
-        params = self.sampling(
-            max_tokens=request.max_tokens,
-            temperature=request.temperature,
-            top_p=request.top_p,
-            ignore_eos=True,
-        )
+        params = sampling_params(self.sampling, request)
         self.engine.add_request(request_id, request.prompt, params)
 
     def step(self) -> list[tuple[str, int, bool]]:
@@ -141,12 +144,7 @@ class VllmTarget:
         self.aliases: dict[str, str] = {}  # an id vLLM assigned -> ours
 
     def add(self, request_id: str, request: Request) -> None:
-        params = self.sampling(
-            max_tokens=request.max_tokens,
-            temperature=request.temperature,
-            top_p=request.top_p,
-            ignore_eos=True,
-        )
+        params = sampling_params(self.sampling, request)
         prompt = request.prompt
         inputs = {"prompt_token_ids": prompt} if isinstance(prompt, list) else prompt
         assigned = self.engine.add_request(request_id, inputs, params)
