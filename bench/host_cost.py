@@ -98,7 +98,7 @@ def replace_the_model_with_a_constant_token() -> None:
     def launch(self: ModelRunner, batch: Any) -> PendingTokens:
         # What ModelRunner.launch keeps for the next step's preparation; no forward pass, no sampling.
         self._last_sample_index = self._next_sample_index
-        if not batch.params:
+        if not batch.num_sampled:
             self._last_tokens = None
             return PendingTokens(None, None, [])
         tokens = torch.full((batch.num_sampled,), CONSTANT_TOKEN, dtype=torch.int64)

@@ -25,7 +25,6 @@ from engine.cuda_graphs import CudaGraphRunner
 from engine.loader import iter_weights
 from engine.models import MODEL_CLASSES
 from engine.sampler import Sampler, SamplerConfig, SamplingBatch
-from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
 from engine.sequence import PLACEHOLDER
 from engine.sequence import Sequence as SequenceState  # collections.abc's Sequence is taken
@@ -61,11 +60,6 @@ class Batch:
     sampling: SamplingBatch
     graph_size: int = 0  # > 0: replay the decode graph captured for this (padded) batch size
     num_fed: int = 0  # rows whose input token is the previous step's sampled token, still on the device
-
-    @property
-    def params(self) -> list[SamplingParams]:
-        """The sampled rows' settings (bench.host_cost reads whether a step samples from it)."""
-        return [seq.params for seq in self.sampled]
 
 
 class ModelRunner:
