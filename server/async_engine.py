@@ -342,7 +342,9 @@ class AsyncEngine:
                 self._abort(request_id, in_flight, deliveries)
         elif isinstance(command, _ResetPrefixCache):
             try:
-                command.done.set_result(self.engine.reset_prefix_cache())
+                freed = self.engine.reset_prefix_cache()
+                self._publish()  # the gauges say so before the caller hears it is done
+                command.done.set_result(freed)
             except Exception as error:
                 logger.exception("resetting the prefix cache failed")
                 command.done.set_exception(EngineLoopError(f"reset failed: {type(error).__name__}"))
