@@ -348,3 +348,12 @@ def test_the_report_gives_each_mode_its_section_and_keeps_target_names(tmp_path)
     assert "engine (" not in page
     one_mode = write_report(paths[:1], tmp_path / "one.html").read_text()
     assert "<h2>Closed loop" in one_mode and "<h2>Greedy</h2>" not in one_mode
+
+
+def test_the_reviewed_file_budgets_the_smokes_sampled_levels():
+    budgets = load_budgets(REPO / "tests" / "perf" / "budgets.toml")
+    sampled = budgets[budget_section("engine", "sampled")]
+    assert set(sampled["output_tok_s"]) == {
+        str(c) for c in PROFILES["smoke"].for_mode("sampled").concurrencies
+    }
+    assert {"offline_output_tok_s", "offline_prefill_tok_s", "offline_single_tpot_s"} <= set(sampled)
