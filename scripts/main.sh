@@ -6,4 +6,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 python3 -m pytest -m perf -rs "$@"
-echo "report: perf-out/report.html; summaries: perf-out/*-seed-mix.json"
+echo "report: perf-out/report.html; summaries: perf-out/*-seed-mix.json, perf-out/*-seed-mix-sampled.json"
