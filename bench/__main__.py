@@ -118,6 +118,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--token-range", type=_token_range, default=(1000, 30000), help="prompt token ids in [LOW,HIGH)"
     )
     workload.add_argument("--seed", type=int, default=0)
+    workload.add_argument(
+        "--prompt-format",
+        choices=["token-ids", "text"],
+        default="token-ids",
+        help="seed-mix, fixed: send each prompt as its token ids (default) or as text of the same token "
+        "length, made with the model's tokenizer (--tokenizer)",
+    )
+    workload.add_argument(
+        "--tokenizer",
+        help="the model folder whose tokenizer makes text prompts (default: --model, or the served "
+        "model's name, when that is a folder)",
+    )
     _add_sampling_arguments(workload)
 
     load = run.add_argument_group("load")
@@ -475,6 +487,7 @@ def command_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     if concurrency is None:
         concurrency = () if args.rates or args.sweep else _list_of(int)(DEFAULT_CONCURRENCY)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    tokenizer = args.tokenizer or (model if Path(model).is_dir() else None)
     try:
         spec = WorkloadSpec(
             args.workload,
@@ -485,6 +498,8 @@ def command_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             args.dataset,
             args.temperature,
             args.top_p,
+            prompt_format=args.prompt_format,
+            tokenizer=str(Path(tokenizer).resolve()) if tokenizer else None,
         )
         load = LoadConfig(
             n_requests=args.n_requests,

@@ -207,6 +207,41 @@ def summarize(rows: Sequence[RequestRow], slo: Slo = Slo()) -> dict[str, float |
     return summary
 
 
+def prompt_tokens_tolerance(prompt_len: int) -> int:
+    """How far the server's count of a prompt may stray from the workload's before it is reported as
+    outside tolerance: 2 tokens or 1 %, whichever is more. A text prompt is made to encode to its length
+    with the model's tokenizer (bench.prompts), but decoding is not the inverse of encoding: after its
+    rounds a prompt can still miss by a token or two, and a server that adds a BOS token to text counts
+    one more."""
+    return max(2, math.ceil(0.01 * prompt_len))
+
+
+def check_prompt_tokens(rows: Sequence[RequestRow]) -> dict[str, float | int]:
+    """The server's `usage.prompt_tokens` against each request's `prompt_len`, over the measured ok
+    requests whose final chunk carried usage:
+
+    - prompt_tokens_checked: how many had a count; prompt_tokens_mismatched: how many differ at all,
+      and prompt_tokens_mismatch_pct of the checked
+    - prompt_tokens_outside_tolerance: how many differ by more than prompt_tokens_tolerance
+    - prompt_tokens_off_max: the largest difference in tokens (server's minus the workload's, by size)
+    Only for workloads whose prompt_len is a token count (WorkloadSpec.exact_prompt_lens)."""
+    offs = [
+        (row.usage_prompt_tokens - row.prompt_len, row.prompt_len)
+        for row in rows
+        if row.ok and not row.warmup and row.usage_prompt_tokens is not None
+    ]
+    mismatched = sum(1 for off, _ in offs if off)
+    return {
+        "prompt_tokens_checked": len(offs),
+        "prompt_tokens_mismatched": mismatched,
+        "prompt_tokens_mismatch_pct": 100.0 * mismatched / len(offs) if offs else math.nan,
+        "prompt_tokens_outside_tolerance": sum(
+            1 for off, length in offs if abs(off) > prompt_tokens_tolerance(length)
+        ),
+        "prompt_tokens_off_max": max((off for off, _ in offs), key=abs, default=0),
+    }
+
+
 REJECTION_STATUSES = frozenset({"http_429", "http_503"})
 
 

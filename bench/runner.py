@@ -21,11 +21,22 @@ from typing import Any
 from tqdm import tqdm
 
 from bench.client import Endpoint, make_http_client, send_request
-from bench.metrics import RequestRow, Slo, describe_failures, is_rejection, summarize
+from bench.metrics import (
+    RequestRow,
+    Slo,
+    check_prompt_tokens,
+    describe_failures,
+    is_rejection,
+    summarize,
+)
 from bench.selfcheck import ClientLoad, ClientMonitor
 from bench.workload import Arrival, Request, WorkloadSpec, arrival_offsets, make_request
 
 SEND_LAG_WARN_S = 0.010
+# A closed loop that runs for a duration sends an unknown number of requests: text prompts (costly to
+# make, see _prebuild) are built ahead for this many per slot, plus PREBUILD_EXTRA, before it starts.
+PREBUILD_PER_SLOT = 4
+PREBUILD_EXTRA = 64
 
 
 @dataclass(frozen=True)
@@ -290,6 +301,15 @@ def _run_level(
         "client_cpu_util": worst.cpu_util,
     }
     notes = worst.warnings()
+    if workload.exact_prompt_lens:
+        summary.update(check_prompt_tokens(rows))
+        if summary["prompt_tokens_outside_tolerance"]:
+            notes.append(
+                f"the server counted {summary['prompt_tokens_outside_tolerance']} of "
+                f"{summary['prompt_tokens_checked']} prompts outside tolerance of their length (largest "
+                f"difference {summary['prompt_tokens_off_max']:+d} tokens): the prompts are not what the "
+                "workload says"
+            )
     if summary["send_lag_p99_s"] > SEND_LAG_WARN_S:
         notes.append(f"send lag p99 {summary['send_lag_p99_s'] * 1e3:.1f} ms: requests went out late")
     notes = [f"{level.label}: {note}" for note in notes]
@@ -321,6 +341,7 @@ async def _drive(
         indices = iter(range(share.start, share.stop, share.step))
 
     make_request(workload, share.start)  # first call pays for lazy set-up (dataset file, numpy); not timed
+    _prebuild(workload, share)
     async with make_http_client(endpoint) as http:
         clock_zero, start = await start_signal()
 
@@ -355,6 +376,19 @@ async def _drive(
                 await asyncio.gather(*(slot() for _ in range(share.slots)))
     assert monitor.result is not None
     return rows, monitor.result
+
+
+def _prebuild(workload: WorkloadSpec, share: _Share) -> None:
+    """Make a share's text prompts before its level starts (make_request keeps them), so their
+    decoding and re-encoding (milliseconds each) is neither in a TTFT nor on the event loop while
+    streams are read. Token-id prompts cost microseconds and are made as they are sent."""
+    if not workload.sends_text or workload.kind == "jsonl":
+        return
+    stop = share.stop
+    if stop is None:  # a closed loop for a duration: enough for most levels, the rest made as sent
+        stop = share.start + share.step * (PREBUILD_PER_SLOT * share.slots + PREBUILD_EXTRA)
+    for index in range(share.start, stop, share.step):
+        make_request(workload, index)
 
 
 def _run_in_workers(

@@ -28,6 +28,12 @@ _ARRIVAL_STREAM = 1
 
 WorkloadKind = Literal["seed-mix", "fixed", "jsonl"]
 Arrival = Literal["constant", "poisson"]
+# How a prompt is sent: the token ids themselves, or text of the same token length made from the
+# model's tokenizer (bench.prompts), which the server then tokenizes as a user's text.
+PromptFormat = Literal["token-ids", "text"]
+# Which OpenAI API carries it: /v1/completions (a prompt), or /v1/chat/completions (the prompt as one
+# user message, through the server's chat template).
+Api = Literal["completions", "chat"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,12 @@ class WorkloadSpec:
     # baselines were measured; SAMPLED is what a typical chat client sends.
     temperature: float = 0.0
     top_p: float = 1.0
+    # Text prompts of each request's token length (seed-mix, fixed), made with `tokenizer`, the model
+    # folder whose tokenizer the server uses; a chat request's message is sized so that the prompt the
+    # server counts, chat template included, has that length.
+    prompt_format: PromptFormat = "token-ids"
+    api: Api = "completions"
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         low, high = self.token_range
@@ -57,22 +69,44 @@ class WorkloadSpec:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.prompt_format not in ("token-ids", "text"):
+            raise ValueError(f"prompt_format must be token-ids or text, got {self.prompt_format!r}")
+        if self.api not in ("completions", "chat"):
+            raise ValueError(f"api must be completions or chat, got {self.api!r}")
+        if self.sends_text and self.kind != "jsonl" and not self.tokenizer:
+            raise ValueError(
+                "text prompts (prompt_format text, or the chat API) are made with the model's tokenizer: "
+                "give its folder (tokenizer)"
+            )
 
     @property
     def sampled(self) -> bool:
         return self.temperature > 0
 
+    @property
+    def sends_text(self) -> bool:
+        """Whether prompts go out as text: asked for, or needed by the chat API (a message is text)."""
+        return self.prompt_format == "text" or self.api == "chat"
+
+    @property
+    def exact_prompt_lens(self) -> bool:
+        """Whether each request's `prompt_len` is the token count the server should report: every
+        workload but jsonl, whose prompt_len counts whitespace words."""
+        return self.kind != "jsonl"
+
 
 @dataclass(frozen=True)
 class Request:
-    """One request of a workload. `prompt` is token ids (seed-mix, fixed) or text (jsonl)."""
+    """One request of a workload. `prompt` is token ids (seed-mix, fixed) or text (jsonl, and any
+    workload with text prompts); with the chat API it is the user message."""
 
     index: int
     prompt: list[int] | str
-    prompt_len: int  # tokens for token-id prompts, whitespace words for text prompts
+    prompt_len: int  # tokens the server should count (jsonl: whitespace words of the prompt)
     max_tokens: int
     temperature: float = 0.0  # the workload's sampling (WorkloadSpec)
     top_p: float = 1.0
+    api: Api = "completions"
 
 
 def make_request(spec: WorkloadSpec, index: int) -> Request:
@@ -80,8 +114,16 @@ def make_request(spec: WorkloadSpec, index: int) -> Request:
     if spec.kind == "jsonl":
         entries = load_dataset(spec.dataset or "")
         prompt, max_tokens = entries[index % len(entries)]
-        return Request(index, prompt, len(prompt.split()), max_tokens, spec.temperature, spec.top_p)
+        return Request(index, prompt, len(prompt.split()), max_tokens, spec.temperature, spec.top_p, spec.api)
+    if spec.sends_text:
+        return _text_request(spec, index)
     rng = np.random.default_rng([spec.seed, _PROMPT_STREAM, index])
+    prompt_len, max_tokens, token_ids = _draw(spec, rng)
+    return Request(index, token_ids, prompt_len, max_tokens, spec.temperature, spec.top_p, spec.api)
+
+
+def _draw(spec: WorkloadSpec, rng: np.random.Generator) -> tuple[int, int, list[int]]:
+    """(prompt_len, max_tokens, prompt token ids) of a seed-mix or fixed request, from its generator."""
     if spec.kind == "seed-mix":
         prompt_len = int(rng.choice(SEED_MIX_PROMPT_LENS))
         max_tokens = int(rng.choice(SEED_MIX_OUTPUT_LENS))
@@ -90,8 +132,25 @@ def make_request(spec: WorkloadSpec, index: int) -> Request:
     else:
         raise ValueError(f"unknown workload {spec.kind!r}")
     low, high = spec.token_range
-    token_ids = rng.integers(low, high, size=prompt_len).tolist()
-    return Request(index, token_ids, prompt_len, max_tokens, spec.temperature, spec.top_p)
+    return prompt_len, max_tokens, rng.integers(low, high, size=prompt_len).tolist()
+
+
+@lru_cache(maxsize=1 << 14)
+def _text_request(spec: WorkloadSpec, index: int) -> Request:
+    """The token-id request of the same (spec, index), its ids turned into text of its length
+    (bench.prompts; the same generator tops up short texts, so the result is fixed by the seed).
+
+    Kept: a 4,096-token prompt takes ~15 ms to decode and re-encode, and every level and trial sends
+    the same indices again; the runner builds a level's requests before it starts (prebuild)."""
+    from bench.prompts import chat_overhead, load_tokenizer, text_prompt
+
+    assert spec.tokenizer is not None
+    rng = np.random.default_rng([spec.seed, _PROMPT_STREAM, index])
+    prompt_len, max_tokens, token_ids = _draw(spec, rng)
+    overhead = chat_overhead(spec.tokenizer) if spec.api == "chat" else 0
+    content = max(1, prompt_len - overhead)
+    made = text_prompt(load_tokenizer(spec.tokenizer), token_ids[:content], content, rng, spec.token_range)
+    return Request(index, made.text, prompt_len, max_tokens, spec.temperature, spec.top_p, spec.api)
 
 
 def arrival_offsets(

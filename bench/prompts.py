@@ -1,0 +1,81 @@
+"""Text prompts of a target token length, made from the model's own tokenizer.
+
+bench.workload calls `text_prompt` when a workload sends text (`prompt_format="text"`): the request's
+random token ids are decoded, the text re-encoded, and the ids cut or topped up until the text encodes
+to the target length, as `vllm bench serve`'s random dataset does. Decoding is not the inverse of
+encoding (byte pieces merge, a lone byte becomes U+FFFD), so a few prompts miss by a token or two;
+`TextPrompt.tokens` says by how much, and the runner checks the server's `usage.prompt_tokens`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+# Decode/re-encode rounds before a prompt is taken as it is: random ids converge in one or two.
+MAX_ROUNDS = 10
+
+
+@lru_cache(maxsize=4)
+def load_tokenizer(model_dir: str) -> Any:
+    """The tokenizer of the model folder, loaded once per process (transformers' AutoTokenizer, as both
+    servers load it)."""
+    from transformers import AutoTokenizer  # slow to import: only workloads that send text pay for it
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@dataclass(frozen=True)
+class TextPrompt:
+    """A prompt's text and how many tokens the tokenizer makes of it (without special tokens)."""
+
+    text: str
+    tokens: int
+
+
+def text_prompt(
+    tokenizer: Any, token_ids: list[int], target: int, rng: np.random.Generator, token_range: tuple[int, int]
+) -> TextPrompt:
+    """Text that encodes to `target` tokens (add_special_tokens=False, as our server encodes a text
+    prompt), from `token_ids`: decode, re-encode; cut the ids when too long, top them up with ids drawn
+    from `rng` in `token_range` (special tokens excluded) when too short; at most MAX_ROUNDS rounds.
+    Deterministic for the same inputs and rng state."""
+    if target < 1:
+        raise ValueError(f"target must be >= 1 token, got {target}")
+    specials = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    low, high = token_range
+    ids = [t for t in token_ids if t not in specials]
+    text = ""
+    for _ in range(MAX_ROUNDS):
+        text = tokenizer.decode(ids)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) == target:
+            return TextPrompt(text, target)
+        if len(ids) > target:
+            ids = ids[:target]
+        else:
+            extra = rng.integers(low, high, size=target - len(ids)).tolist()
+            ids += [t for t in extra if t not in specials]
+    text = tokenizer.decode(ids)
+    return TextPrompt(text, len(tokenizer.encode(text, add_special_tokens=False)))
+
+
+@lru_cache(maxsize=4)
+def chat_overhead(model_dir: str) -> int:
+    """Tokens a chat template adds around one user message (its role markers and the assistant's
+    generation prompt), so a chat prompt can be sized to what the server counts; 0 without a template.
+
+    Measured once per tokenizer on a one-word message: ChatML's markers are special tokens, which no
+    message text merges with."""
+    tokenizer = load_tokenizer(model_dir)
+    if not getattr(tokenizer, "chat_template", None):
+        return 0
+    word = "hello"
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": word}], tokenize=False, add_generation_prompt=True
+    )
+    whole = len(tokenizer.encode(rendered, add_special_tokens=False))
+    return max(0, whole - len(tokenizer.encode(word, add_special_tokens=False)))
