@@ -126,6 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
         "length, made with the model's tokenizer (--tokenizer)",
     )
     workload.add_argument(
+        "--api",
+        choices=["completions", "chat"],
+        default="completions",
+        help="the OpenAI API to send to: /v1/completions (default) or /v1/chat/completions, each prompt "
+        "as one user message of text (sized so the templated prompt has the workload's length)",
+    )
+    workload.add_argument(
         "--tokenizer",
         help="the model folder whose tokenizer makes text prompts (default: --model, or the served "
         "model's name, when that is a folder)",
@@ -499,6 +506,7 @@ def command_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             args.temperature,
             args.top_p,
             prompt_format=args.prompt_format,
+            api=args.api,
             tokenizer=str(Path(tokenizer).resolve()) if tokenizer else None,
         )
         load = LoadConfig(

@@ -1,8 +1,9 @@
 """One streaming completion request over HTTP, turned into a `RequestRow`.
 
-The runner calls `send_request` for every request of a level; it speaks only the OpenAI completions
-API (`POST {base_url}/completions`, SSE `data:` lines), so this project's server and vLLM are measured
-through the very same code. Probes that describe the server before a run live in `bench.probe`.
+The runner calls `send_request` for every request of a level; it speaks the OpenAI completions API
+(`POST {base_url}/completions`) or, for a chat workload, the chat completions API (`POST
+{base_url}/chat/completions`), both as SSE `data:` lines, so this project's server and vLLM are
+measured through the very same code. Probes that describe the server before a run live in `bench.probe`.
 
 The transport is aiohttp, as in vLLM's own benchmark client (`vllm bench serve`): its C parser reads a
 streamed chunk for about a third of the CPU that httpx's pure-Python stack (httpcore, h11, anyio) took,
@@ -62,12 +63,25 @@ def make_http_client(endpoint: Endpoint) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers, trust_env=True)
 
 
+def request_path(request: Request) -> str:
+    """Where a request goes under the API root: its workload's API."""
+    return "/chat/completions" if request.api == "chat" else "/completions"
+
+
 def request_body(model: str, request: Request) -> dict[str, object]:
     """The body both servers get: the workload's sampling (greedy unless it says otherwise), EOS
-    ignored so every request generates its whole budget."""
+    ignored so every request generates its whole budget. A chat request carries its prompt as one
+    user message (`max_tokens`, which both servers read as chat's max_completion_tokens)."""
+    if request.api == "chat":
+        text = request.prompt if isinstance(request.prompt, str) else None
+        if text is None:
+            raise ValueError("a chat request's prompt is text (WorkloadSpec sends text for the chat API)")
+        prompt: dict[str, object] = {"messages": [{"role": "user", "content": text}]}
+    else:
+        prompt = {"prompt": request.prompt}
     return {
         "model": model,
-        "prompt": request.prompt,
+        **prompt,
         "max_tokens": request.max_tokens,
         "temperature": request.temperature,
         **({"top_p": request.top_p} if request.top_p < 1 else {}),
@@ -87,17 +101,19 @@ async def send_request(
     """Stream one completion and fill `row` (whose identity and scheduled_s the caller set) in place.
 
     Times are `time.monotonic() - clock_zero`. Every network read is stamped once; each chunk that
-    carries a choice counts as one arrival (a busy server may pack several tokens in a chunk). Output
-    tokens come from the final `usage` when the server sends it, else from the number of such chunks.
-    A request never raises: failures become `status` and `error` on the row.
+    carries a choice counts as one arrival (a busy server may pack several tokens in a chunk); in a
+    chat stream, only a chunk whose `delta.content` is not empty (`is_arrival`). Output tokens come
+    from the final `usage` when the server sends it, else from the number of arrivals. A request
+    never raises: failures become `status` and `error` on the row.
     """
     body = request_body(endpoint.model, request)
+    chat = request.api == "chat"
     row.sent_s = time.monotonic() - clock_zero
     usage_tokens: int | None = None
     last_chunk: float | None = None
     saw_done = False
     try:
-        async with http.post(f"{endpoint.base_url}/completions", json=body) as response:
+        async with http.post(f"{endpoint.base_url}{request_path(request)}", json=body) as response:
             if response.status != 200:
                 text = (await response.read()).decode(errors="replace")
                 return _fail(row, f"http_{response.status}", text[:500], clock_zero)
@@ -116,7 +132,7 @@ async def send_request(
                     event = json.loads(payload)
                     if "error" in event and not event.get("choices"):
                         return _fail(row, "server_error", json.dumps(event["error"])[:500], clock_zero)
-                    if event.get("choices"):
+                    if is_arrival(event, chat):
                         row.chunks += 1
                         if last_chunk is None:
                             row.first_token_s = now
@@ -143,6 +159,20 @@ async def send_request(
         row.status = "short"
         row.error = f"got {row.output_tokens} of {request.max_tokens} tokens"
     return row
+
+
+def is_arrival(event: dict, chat: bool) -> bool:
+    """Whether a streamed event brings output. Completions: any chunk with a choice (even with empty
+    text, as before). Chat: a chunk whose first choice's `delta.content` is not empty; the first chunk
+    carries the role only (our server sends it before any token), and the last ones may carry only a
+    finish_reason or the usage, so TTFT is the first chunk with content, as a chat user sees it."""
+    choices = event.get("choices")
+    if not choices:
+        return False
+    if not chat:
+        return True
+    delta = choices[0].get("delta") or {}
+    return bool(delta.get("content"))
 
 
 def _fail(row: RequestRow, kind: str, error: str, clock_zero: float) -> RequestRow:

@@ -1,7 +1,7 @@
 """A fake OpenAI-compatible streaming server whose timings are known: for testing the client.
 
-`create_app(FakeServerConfig(...))` is a Starlette app serving `/v1/completions` (SSE), `/v1/models`
-and `/version`; `FakeServerThread` and `FakeServerProcess` run it under uvicorn on 127.0.0.1 with a
+`create_app(FakeServerConfig(...))` is a Starlette app serving `/v1/completions` and
+`/v1/chat/completions` (SSE), `/v1/models` and `/version`; `FakeServerThread` and `FakeServerProcess` run it under uvicorn on 127.0.0.1 with a
 free port. The bench tests use it; users can too: `python -m bench.fake_server --ttft-s 0.1 --itl-s 0.02`.
 """
 
@@ -58,6 +58,12 @@ def create_app(config: FakeServerConfig) -> Starlette:
     arrivals = 0
 
     async def completions(request: Request) -> Response:
+        return await stream(request, chat=False)
+
+    async def chat_completions(request: Request) -> Response:
+        return await stream(request, chat=True)
+
+    async def stream(request: Request, chat: bool) -> Response:
         nonlocal arrivals
         arrivals += 1
         number = arrivals
@@ -67,10 +73,13 @@ def create_app(config: FakeServerConfig) -> Starlette:
         budget = int(body.get("max_tokens", 16))
         if config.cut_every and number % config.cut_every == 0:
             budget = budget // 2
-        prompt = body.get("prompt", "")
-        prompt_tokens = len(prompt) if isinstance(prompt, list) else len(str(prompt).split())
+        if chat:  # whitespace words of every message stand in for tokens, as for a text prompt
+            prompt_tokens = sum(len(str(m.get("content", "")).split()) for m in body.get("messages") or [])
+        else:
+            prompt = body.get("prompt", "")
+            prompt_tokens = len(prompt) if isinstance(prompt, list) else len(str(prompt).split())
         include_usage = config.send_usage and (body.get("stream_options") or {}).get("include_usage")
-        events = _events(config, slots, number, budget, prompt_tokens, bool(include_usage))
+        events = _events(config, slots, number, budget, prompt_tokens, bool(include_usage), chat)
         if config.buffered:
             events = _buffer(events)
         return StreamingResponse(events, media_type="text/event-stream")
@@ -88,6 +97,7 @@ def create_app(config: FakeServerConfig) -> Starlette:
 
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models),
         Route("/version", version),
         Route("/health", health),
@@ -102,7 +112,14 @@ async def _events(
     budget: int,
     prompt_tokens: int,
     include_usage: bool,
+    chat: bool = False,
 ) -> AsyncIterator[bytes]:
+    """A completion's chunks, or a chat completion's as this project's server sends them: the role
+    alone at once, then one content delta per chunk, then an empty delta with the finish reason."""
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    if chat:
+        role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        yield _chunk(number, kind, config.model, role)
     async with slots:
         start = time.monotonic()
         sent = 0
@@ -113,15 +130,13 @@ async def _events(
             if delay > 0:
                 await asyncio.sleep(delay)
             count = min(config.tokens_per_chunk, budget - sent)
-            chunk = {
-                "id": f"cmpl-{number}",
-                "object": "text_completion",
-                "model": config.model,
-                "choices": [{"index": 0, "text": " x" * count, "finish_reason": None}],
-            }
-            yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+            text = " x" * count
+            content = {"delta": {"content": text}} if chat else {"text": text}
+            yield _chunk(number, kind, config.model, {"index": 0, **content, "finish_reason": None})
             sent += count
             chunk_index += 1
+        if chat:
+            yield _chunk(number, kind, config.model, {"index": 0, "delta": {}, "finish_reason": "length"})
         if include_usage:
             usage = {
                 "prompt_tokens": prompt_tokens,
@@ -134,6 +149,11 @@ async def _events(
                 + b"\n\n"
             )
         yield b"data: [DONE]\n\n"
+
+
+def _chunk(number: int, kind: str, model: str, choice: dict[str, Any]) -> bytes:
+    body = {"id": f"cmpl-{number}", "object": kind, "model": model, "choices": [choice]}
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
 async def _buffer(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
