@@ -6,10 +6,11 @@ budgets (ttft_p50_s, tpot_p50_s, open loop below saturation) ask new <= budget x
 ones (`offline_*`, OFFLINE_BUDGETS) likewise, by their figure's direction. A lenient budget, under 0.5
 for throughput or over 2 for latency, must say why in one line (`reason`).
 
-Each sampling mode has budgets of its own (bench.trials.SAMPLING_MODES): `[vllm]` holds the greedy
-figures, `[vllm.sampled]` (and its per-level tables, `[vllm.sampled.output_tok_s]`) the sampled ones,
-read as the section `vllm.sampled` (`budget_section`); a mode without its section has nothing to hold
-its figures to, and the tier reports each of its checks as skipped, by name.
+Each mode has budgets of its own (bench.trials.CASE_MODES: the sampling modes, and the text and chat
+prompt modes): `[vllm]` holds the greedy figures, `[vllm.sampled]` (and its per-level tables,
+`[vllm.sampled.output_tok_s]`) the sampled ones, read as the section `vllm.sampled` (`budget_section`),
+`[vllm.text]` and `[vllm.chat]` likewise; a mode without its section has nothing to hold its figures
+to, and the tier reports each of its checks as skipped, by name.
 
 Which checks are judged here (`judged_here`): against a reference measured on this machine, every one;
 against a stored one from another machine, only a vLLM reference's, whose budgets allow for the spread
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.metrics import metric_direction
-from bench.trials import GREEDY, SAMPLING_MODES
+from bench.trials import CASE_MODES, GREEDY
 
 # Offline budgets (`bench offline`): name in the budget file -> the offline figure it holds. Output
 # tokens/s is held in every offline mode both sides ran (all at once, closed loops), the others in
@@ -185,12 +186,12 @@ def load_budgets(path: str | Path) -> dict[str, dict[str, dict[str, Budget]]]:
     raw = tomllib.loads(Path(path).read_text())
     sections: dict[str, dict[str, Any]] = {}
     for reference, entries in raw.items():
-        sections[reference] = {key: entry for key, entry in entries.items() if key not in SAMPLING_MODES}
+        sections[reference] = {key: entry for key, entry in entries.items() if key not in CASE_MODES}
         if GREEDY in entries:
             raise ValueError(
                 f"{path}: [{reference}] holds the greedy budgets itself: no [{reference}.{GREEDY}]"
             )
-        for mode in SAMPLING_MODES:
+        for mode in CASE_MODES:
             if mode in entries:
                 sections[budget_section(reference, mode)] = entries[mode]
     budgets: dict[str, dict[str, dict[str, Budget]]] = {}

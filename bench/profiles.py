@@ -13,13 +13,23 @@ from dataclasses import dataclass
 
 from bench.offline import OfflineLoad, Probes
 from bench.runner import LoadConfig, SweepConfig
-from bench.trials import GREEDY, SAMPLING_MODES
+from bench.trials import GREEDY, PROMPT_MODES, SAMPLING_MODES
 from bench.workload import WorkloadSpec
 
 
-def seed_mix(mode: str, seed: int = 0) -> WorkloadSpec:
-    """The seed-mix workload in a sampling mode: `seed_mix("sampled")` is `WorkloadSpec(kind="seed-mix",
-    seed=0, **SAMPLED)`."""
+def seed_mix(mode: str, seed: int = 0, tokenizer: str | None = None) -> WorkloadSpec:
+    """The seed-mix workload in a mode: `seed_mix("sampled")` is `WorkloadSpec(kind="seed-mix", seed=0,
+    **SAMPLED)`; a prompt mode (`text`, `chat`) is greedy and sends text made with `tokenizer`, the
+    model folder."""
+    if mode in PROMPT_MODES:
+        chat = PROMPT_MODES[mode]["api"] == "chat"
+        return WorkloadSpec(
+            kind="seed-mix",
+            seed=seed,
+            prompt_format="text",
+            api="chat" if chat else "completions",
+            tokenizer=tokenizer,
+        )
     settings = SAMPLING_MODES[mode]
     return WorkloadSpec(
         kind="seed-mix", seed=seed, temperature=settings["temperature"], top_p=settings["top_p"]
@@ -35,7 +45,9 @@ class Profile:
     pipeline on CPU in a few minutes. `offline`: the offline case's run (all at once, then the two
     probes), before the target's server starts. `sampling`: the modes measured, each with every case,
     except that the sampled mode runs the sweep only if `sampled_sweep` and only the concurrencies
-    `sampled_concurrencies` (None: all of them)."""
+    `sampled_concurrencies` (None: all of them). `prompt_modes` (bench.trials.PROMPT_MODES: text,
+    chat) run the closed loops only, at `prompt_concurrencies` (None: all of them): neither the sweep
+    nor the offline case, which sends no HTTP; `bench ab` measures `sampling` alone."""
 
     name: str
     sweep: SweepConfig | None
@@ -48,6 +60,8 @@ class Profile:
     sampling: tuple[str, ...] = (GREEDY,)
     sampled_sweep: bool = True
     sampled_concurrencies: tuple[int, ...] | None = None
+    prompt_modes: tuple[str, ...] = ()
+    prompt_concurrencies: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if unknown := [mode for mode in self.sampling if mode not in SAMPLING_MODES]:
@@ -58,6 +72,18 @@ class Profile:
             raise ValueError(
                 f"profile {self.name}: sampled concurrencies {sorted(extra)} not in {self.concurrencies}"
             )
+        if unknown := [mode for mode in self.prompt_modes if mode not in PROMPT_MODES]:
+            raise ValueError(f"profile {self.name}: unknown prompt modes {unknown} ({sorted(PROMPT_MODES)})")
+        if extra := set(self.prompt_concurrencies or ()) - set(self.concurrencies):
+            raise ValueError(
+                f"profile {self.name}: prompt-mode concurrencies {sorted(extra)} not in {self.concurrencies}"
+            )
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """Every mode the perf tier runs this profile's cases in: the sampling modes, then the prompt
+        modes."""
+        return (*self.sampling, *self.prompt_modes)
 
     def for_mode(self, mode: str) -> Profile:
         """The profile as `mode` runs it: greedy every case; sampled without the sweep unless
@@ -65,6 +91,11 @@ class Profile:
         mode the profile measures."""
         if mode == GREEDY:
             return self
+        if mode in PROMPT_MODES:
+            concurrencies = self.prompt_concurrencies
+            return dataclasses.replace(
+                self, sweep=None, concurrencies=self.concurrencies if concurrencies is None else concurrencies
+            )
         return dataclasses.replace(
             self,
             sweep=self.sweep if self.sampled_sweep else None,
@@ -85,6 +116,7 @@ PROFILES = {
         warmup_concurrency=64,
         offline=OfflineLoad(n_requests=1000, warmup=32),
         sampling=("greedy", "sampled"),
+        prompt_modes=("text", "chat"),
     ),
     # Capacity and the closed loop at 1 and 128 of both targets in one 10-minute command (--target both),
     # for one sampling mode: both modes take two such commands (`-k greedy`, `-k sampled`).
@@ -98,6 +130,7 @@ PROFILES = {
         warmup_concurrency=32,
         offline=OfflineLoad(n_requests=300, warmup=16),
         sampling=("greedy", "sampled"),
+        prompt_modes=("text", "chat"),
     ),
     "smoke": Profile(
         name="smoke",
@@ -120,5 +153,9 @@ PROFILES = {
         sampling=("greedy", "sampled"),
         sampled_sweep=False,
         sampled_concurrencies=(4,),
+        # Text prompts at 4 in flight: the server's tokenizer on the request path, for CI; chat adds
+        # little on top of it (a template) and runs on the GPU profiles.
+        prompt_modes=("text",),
+        prompt_concurrencies=(4,),
     ),
 }

@@ -24,7 +24,7 @@ matplotlib.use("Agg")  # no display: render to PNG only
 import matplotlib.pyplot as plt  # noqa: E402
 
 from bench.results import Result, level_key, load_result  # noqa: E402
-from bench.trials import describe_sampling, sampling_settings  # noqa: E402
+from bench.trials import describe_prompts, describe_sampling, sampling_settings  # noqa: E402
 
 # (summary key, column header, format): latencies are stored in seconds and shown in milliseconds
 OPEN_COLUMNS = [
@@ -127,8 +127,9 @@ def render(results: Sequence[Result]) -> str:
 
 
 def _sampling(result: Result) -> str:
-    """How a result sampled, as the report names it: `greedy`, `sampled (temperature 1, top_p 0.95)`."""
-    return describe_sampling(*sampling_settings(result.meta))
+    """How a result sampled and sent its prompts, as the report names it: `greedy`, `sampled
+    (temperature 1, top_p 0.95)`, `greedy, text prompts`, `greedy, chat completions`."""
+    return describe_sampling(*sampling_settings(result.meta)) + describe_prompts(result.meta)
 
 
 def _by_sampling(results: Sequence[Result]) -> dict[str, list[Result]]:

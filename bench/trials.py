@@ -24,6 +24,16 @@ SAMPLING_MODES: dict[str, dict[str, float]] = {
     GREEDY: {"temperature": 0.0, "top_p": 1.0},
     "sampled": dict(SAMPLED),
 }
+# The perf tier's modes that send the seed-mix another way, greedy: as text prompts of the same token
+# lengths (the server's tokenizer on the request path), and through the chat completions API (its chat
+# template too), each as WorkloadSpec's prompt_format and api. `bench ab` measures the sampling modes
+# only; these are the tier's (bench.profiles.Profile.prompt_modes).
+PROMPT_MODES: dict[str, dict[str, str]] = {
+    "text": {"prompt_format": "text", "api": "completions"},
+    "chat": {"prompt_format": "text", "api": "chat"},
+}
+# Every mode a perf case runs in: each has its own record, summary file, reference and budget section.
+CASE_MODES: tuple[str, ...] = (*SAMPLING_MODES, *PROMPT_MODES)
 
 OPEN_LOOP_KEYS = (
     "served_req_s",
@@ -56,13 +66,17 @@ OFFLINE_KEYS = (
 
 
 def summary_name(stem: str, mode: str) -> str:
-    """The file of a target's (or an A/B side's) summary in a sampling mode: `engine-seed-mix.json` for
-    greedy, the name every stored baseline already has, `engine-seed-mix-sampled.json` for sampled."""
+    """The file of a target's (or an A/B side's) summary in a mode: `engine-seed-mix.json` for greedy,
+    the name every stored baseline already has, `engine-seed-mix-sampled.json` for sampled (and
+    `-text`, `-chat` for the prompt modes)."""
     return f"{stem}-seed-mix{'' if mode == GREEDY else f'-{mode}'}.json"
 
 
 def sampling_header(mode: str) -> dict[str, Any]:
-    """What a summary says about its sampling: the mode's name and its settings."""
+    """What a summary says about its mode: a sampling mode's name and settings; a prompt mode's name
+    (`mode`), its prompt format and API, and its sampling (greedy)."""
+    if mode in PROMPT_MODES:
+        return {"sampling": GREEDY, **SAMPLING_MODES[GREEDY], "mode": mode, **PROMPT_MODES[mode]}
     return {"sampling": mode, **SAMPLING_MODES[mode]}
 
 
@@ -72,12 +86,29 @@ def sampling_mode(summary: Mapping[str, Any]) -> str:
     return str(summary.get("sampling") or GREEDY)
 
 
+def case_mode(summary: Mapping[str, Any]) -> str:
+    """The perf tier's mode a summary was measured in: a prompt mode's `mode` (text, chat), else its
+    sampling mode."""
+    return str(summary.get("mode") or sampling_mode(summary))
+
+
 def sampling_settings(meta: Mapping[str, Any]) -> tuple[float, float]:
     """(temperature, top_p) of a result: a summary's own keys, a run.json's workload (`bench run`,
     `bench offline`), else greedy's (results stored before the workload said how it samples)."""
     workload = (meta.get("config") or {}).get("workload") or {}
     source = meta if "temperature" in meta else workload
     return float(source.get("temperature", 0.0)), float(source.get("top_p", 1.0))
+
+
+def describe_prompts(meta: Mapping[str, Any]) -> str:
+    """How a result's prompts went out, as the report names it beside its sampling: "" for token ids
+    over /v1/completions (every result before the prompt modes), ", text prompts" or ", chat
+    completions", from a summary's own keys or a run.json's workload."""
+    workload = (meta.get("config") or {}).get("workload") or {}
+    source = meta if "prompt_format" in meta or "api" in meta else workload
+    if source.get("api") == "chat":
+        return ", chat completions"
+    return ", text prompts" if source.get("prompt_format") == "text" else ""
 
 
 def describe_sampling(temperature: float, top_p: float) -> str:
@@ -203,9 +234,9 @@ def merge_summaries(
         for key in ("target", "model", "gpu", "workload"):
             if summary.get(key) != first.get(key):
                 raise ValueError(f"summaries differ in {key}: {first.get(key)!r} vs {summary.get(key)!r}")
-        if sampling_mode(summary) != sampling_mode(first):
+        if case_mode(summary) != case_mode(first):
             raise ValueError(
-                f"summaries differ in sampling: {sampling_mode(first)!r} vs {sampling_mode(summary)!r}"
+                f"summaries differ in sampling or prompt mode: {case_mode(first)!r} vs {case_mode(summary)!r}"
             )
     sweeps = summaries if sweep_from is None else sweep_from
     sweep_trials = [

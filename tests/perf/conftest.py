@@ -1,8 +1,9 @@
 """The perf tier's machinery: settings from the command line, the server under test, the recorder.
 
 `pytest -m perf` measures each target (`--target engine|vllm|both`; both = vLLM first, then the
-engine, on the same machine) with bench's seed-mix workload, in each sampling mode the profile runs
-(greedy and sampled: the `sampling` parameter of every case, `-k sampled` selects one). Each target's
+engine, on the same machine) with bench's seed-mix workload, in each mode the profile runs (the
+sampling modes, greedy and sampled, and the prompt modes, text and chat: the `mode` parameter of every
+case, `-k sampled` selects one). Each target's
 offline cases run first, in a child process (`bench offline`), before its server starts; then a session
 fixture starts the target's server once (or uses one already running: `--server-url`, or
 `--server-info` from `python -m bench serve`), warms it up in every mode it will serve, and always stops
@@ -55,9 +56,10 @@ from bench.report import write_report
 from bench.runner import SweepConfig, run_closed_loop
 from bench.trials import (
     GREEDY,
+    PROMPT_MODES,
+    case_mode,
     describe_sampling,
     sampling_header,
-    sampling_mode,
     summarize_trials,
     summary_name,
 )
@@ -88,7 +90,7 @@ class PerfSettings:
     targets: list[str]
     server_url: str | None
     server_infos: dict[str, dict[str, Any]]  # target -> description written by `bench serve`
-    baselines: dict[str, Path]  # sampling mode -> the --baseline file measured in it
+    baselines: dict[str, Path]  # mode -> the --baseline file measured in it
     save_baseline: bool
     out: Path
 
@@ -139,7 +141,7 @@ def settings(config: pytest.Config) -> PerfSettings:
     baselines: dict[str, Path] = {}
     for given in config.getoption("--baseline"):
         try:
-            mode = sampling_mode(json.loads(Path(given).read_text()))
+            mode = case_mode(json.loads(Path(given).read_text()))
         except (OSError, ValueError) as exc:
             raise pytest.UsageError(f"--baseline {given}: {exc}") from exc
         if mode in baselines:
@@ -162,19 +164,22 @@ def settings(config: pytest.Config) -> PerfSettings:
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """Each case in each sampling mode the profile runs it in (ids `[sampled-4-engine]`, so `-k
-    sampled` selects a mode): the closed loop at each of the mode's concurrencies, the sweep only in
-    modes with one (a case that asks for `sweep`), the offline case in every mode."""
+    """Each case in each mode the profile runs it in (ids `[sampled-4-engine]`, so `-k sampled` selects
+    a mode): the closed loop at each of the mode's concurrencies, the sweep only in modes with one (a
+    case that asks for `sweep`), the offline case in every sampling mode (it sends no HTTP: the prompt
+    modes, text and chat, have nothing to measure there)."""
     perf = settings(metafunc.config)
-    if "sampling" in metafunc.fixturenames:
-        profiles = {mode: perf.profile.for_mode(mode) for mode in perf.profile.sampling}
+    if "mode" in metafunc.fixturenames:
+        profiles = {mode: perf.profile.for_mode(mode) for mode in perf.profile.modes}
         if "concurrency" in metafunc.fixturenames:
             pairs = [(mode, c) for mode, profile in profiles.items() for c in profile.concurrencies]
-            metafunc.parametrize(("sampling", "concurrency"), pairs, ids=[f"{m}-{c}" for m, c in pairs])
+            metafunc.parametrize(("mode", "concurrency"), pairs, ids=[f"{m}-{c}" for m, c in pairs])
         else:
             wants_sweep = "sweep" in metafunc.fixturenames
             modes = [mode for mode, profile in profiles.items() if profile.sweep or not wants_sweep]
-            metafunc.parametrize("sampling", modes)
+            if "server" not in metafunc.fixturenames:
+                modes = [mode for mode in modes if mode in perf.profile.sampling]
+            metafunc.parametrize("mode", modes)
     elif "concurrency" in metafunc.fixturenames:
         metafunc.parametrize("concurrency", perf.profile.concurrencies)
     if "target" in metafunc.fixturenames:
@@ -189,17 +194,18 @@ def _params(item: pytest.Item) -> dict[str, Any]:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """All cases of one target, then all of the next (vLLM first with --target both): the session's
     server is then started once per target, never twice. Within a target, cases that do not use the
-    server (the offline cases) come first, before it starts; then the greedy cases, then the sampled."""
+    server (the offline cases) come first, before it starts; then the greedy cases, the sampled, and
+    the prompt modes'."""
     perf = settings(config)
     order = {target: i for i, target in enumerate(perf.targets)}
-    modes = {mode: i for i, mode in enumerate(perf.profile.sampling)}
+    modes = {mode: i for i, mode in enumerate(perf.profile.modes)}
 
     def key(item: pytest.Item) -> tuple[int, bool, int]:
         params = _params(item)
         return (
             order.get(str(params.get("target")), -1),
             "server" in getattr(item, "fixturenames", ()),
-            modes.get(str(params.get("sampling")), -1),
+            modes.get(str(params.get("mode")), -1),
         )
 
     items.sort(key=key)
@@ -211,15 +217,34 @@ def perf(pytestconfig: pytest.Config) -> PerfSettings:
 
 
 @pytest.fixture
-def profile(perf: PerfSettings, sampling: str) -> Profile:
-    """The profile as this case's sampling mode runs it (the smoke's sampled mode runs fewer cases)."""
-    return perf.profile.for_mode(sampling)
+def profile(perf: PerfSettings, mode: str) -> Profile:
+    """The profile as this case's mode runs it (the smoke's sampled mode runs fewer cases)."""
+    return perf.profile.for_mode(mode)
 
 
 @pytest.fixture
-def workload(sampling: str) -> WorkloadSpec:
-    """The seed-mix workload in this case's sampling mode: greedy, or bench.workload.SAMPLED."""
-    return seed_mix(sampling)
+def workload(perf: PerfSettings, mode: str) -> WorkloadSpec:
+    """The seed-mix workload in this case's mode: greedy, bench.workload.SAMPLED, or text prompts of
+    the model's tokenizer (text, chat)."""
+    made = mode_workload(perf, mode)
+    if made is None:
+        pytest.skip(NO_TOKENIZER.format(mode=mode, model=perf.model))
+    return made
+
+
+NO_TOKENIZER = (
+    "the {mode} mode makes its prompts with the model's tokenizer, and --model {model!r} names neither a "
+    "folder nor a preset: give the model's folder"
+)
+
+
+def mode_workload(perf: PerfSettings, mode: str, seed: int = 0) -> WorkloadSpec | None:
+    """The seed-mix workload in `mode`; a prompt mode's text is made with the model's tokenizer (None
+    when there is none to load)."""
+    if mode not in PROMPT_MODES:
+        return seed_mix(mode, seed=seed)
+    tokenizer = tokenizer_dir(perf)
+    return None if tokenizer is None else seed_mix(mode, seed=seed, tokenizer=tokenizer)
 
 
 @pytest.fixture
@@ -245,6 +270,31 @@ def model_dir(perf: PerfSettings) -> str:
     return str(folder)
 
 
+def tokenizer_dir(perf: PerfSettings) -> str | None:
+    """The folder whose tokenizer makes the prompt modes' text: the model folder given, the one a
+    --server-info server serves, or a preset's written checkpoint; for a preset under --server-url
+    (whose checkpoint nothing else needs), the preset's tokenizer alone, written once under
+    perf-out/tokenizers. None when --model names neither a folder nor a preset."""
+    if Path(perf.model).is_dir():
+        return str(Path(perf.model).resolve())
+    for info in perf.server_infos.values():
+        served = info.get("model_dir")
+        if isinstance(served, str) and Path(served).is_dir():
+            return served
+    from engine.synthetic import PRESETS, write_tokenizer
+
+    if perf.model not in PRESETS:
+        return None
+    checkpoint = (perf.out / "models" / perf.model).resolve()
+    if (checkpoint / "config.json").is_file() or not perf.server_url:
+        return model_dir(perf)
+    folder = (perf.out / "tokenizers" / perf.model).resolve()
+    if not (folder / "tokenizer.json").is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        write_tokenizer(folder, PRESETS[perf.model])
+    return str(folder)
+
+
 @pytest.fixture(scope="session")
 def model_folder(perf: PerfSettings) -> Callable[[], str]:
     """The model folder, found or written when called: a preset's checkpoint is written then (2.9 GB
@@ -255,10 +305,10 @@ def model_folder(perf: PerfSettings) -> Callable[[], str]:
 # -- the recorder ----------------------------------------------------------------------------------
 @dataclass
 class TargetRecord:
-    """One target's figures in one sampling mode: one summary file, one reference, one budget section."""
+    """One target's figures in one mode: one summary file, one reference, one budget section."""
 
     target: str
-    sampling: str
+    mode: str
     header: dict[str, Any]
     sweep_trials: list[dict[str, Any]] = field(default_factory=list)
     closed_trials: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
@@ -268,13 +318,16 @@ class TargetRecord:
 
     @property
     def summary_name(self) -> str:
-        return summary_name(self.target, self.sampling)
+        return summary_name(self.target, self.mode)
 
     @property
     def title(self) -> str:
-        """How the terminal names it: `engine`, `engine, sampled (temperature 1, top_p 0.95)`."""
-        if self.sampling == GREEDY:
+        """How the terminal names it: `engine`, `engine, sampled (temperature 1, top_p 0.95)`, `engine,
+        text prompts`, `engine, chat completions`."""
+        if self.mode == GREEDY:
             return self.target
+        if self.mode in PROMPT_MODES:
+            return f"{self.target}, {'chat completions' if self.mode == 'chat' else 'text prompts'}"
         return f"{self.target}, {describe_sampling(self.header['temperature'], self.header['top_p'])}"
 
     @property
@@ -309,19 +362,19 @@ class Reference:
 class Recorder:
     def __init__(self, perf: PerfSettings) -> None:
         self.perf = perf
-        self.records: dict[tuple[str, str], TargetRecord] = {}  # by (target, sampling mode)
+        self.records: dict[tuple[str, str], TargetRecord] = {}  # by (target, mode)
         self.budgets = load_budgets(BUDGETS_FILE)
         self.servers: dict[str, ServerProcess] = {}  # servers this session started, by target
         self.served: set[str] = set()  # targets whose server fixture ran: it must run once
 
-    def record(self, target: str, sampling: str) -> TargetRecord:
-        """The target's record in a sampling mode, made on first use (by its offline case, else its
+    def record(self, target: str, mode: str) -> TargetRecord:
+        """The target's record in a mode, made on first use (by its offline case, else its
         server) with what every summary says; the server fixture adds what it learns from the server."""
-        if (target, sampling) not in self.records:
+        if (target, mode) not in self.records:
             perf = self.perf
-            self.records[target, sampling] = TargetRecord(
+            self.records[target, mode] = TargetRecord(
                 target,
-                sampling,
+                mode,
                 header={
                     "target": target,
                     "version": None,
@@ -329,13 +382,13 @@ class Recorder:
                     "model": perf.model_key,
                     "dtype": perf.dtype,
                     "workload": "seed-mix",
-                    **sampling_header(sampling),
+                    **sampling_header(mode),
                     "profile": perf.profile.name,
                     "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                     "machine": perf.machine,
                 },
             )
-        return self.records[target, sampling]
+        return self.records[target, mode]
 
     def stop_servers(self) -> None:
         """Stop every server this session started (an offline case wants the GPU to itself; with
@@ -343,22 +396,22 @@ class Recorder:
         for process in self.servers.values():
             process.stop()
 
-    def stored_candidates(self, sampling: str) -> list[Path]:
-        """Where a stored reference for `sampling` is looked for: the stored vLLM result, then the
+    def stored_candidates(self, mode: str) -> list[Path]:
+        """Where a stored reference for `mode` is looked for: the stored vLLM result, then the
         stored engine result for this GPU and model, in that mode's files."""
-        return [self.perf.baseline_dir() / summary_name(name, sampling) for name in ("vllm", "engine")]
+        return [self.perf.baseline_dir() / summary_name(name, mode) for name in ("vllm", "engine")]
 
-    def reference_for(self, target: str, sampling: str) -> Reference | None:
-        """For figures in `sampling`: vLLM measured in this session in that mode, else the --baseline
+    def reference_for(self, target: str, mode: str) -> Reference | None:
+        """For figures in `mode`: vLLM measured in this session in that mode, else the --baseline
         measured in that mode, else the stored vLLM result, else the stored engine result for this GPU
         and model, in that mode. None when there is none (or when vLLM is the target)."""
         if target == "vllm":
             return None
-        vllm = self.records.get(("vllm", sampling))
+        vllm = self.records.get(("vllm", mode))
         if vllm is not None and vllm.measured:
             return Reference(vllm.summary(self.perf.trials), "vLLM measured in this session", True, True)
-        given = self.perf.baselines.get(sampling)
-        for path in [given] if given else self.stored_candidates(sampling):
+        given = self.perf.baselines.get(mode)
+        for path in [given] if given else self.stored_candidates(mode):
             if path.is_file():
                 summary = json.loads(path.read_text())
                 shown = path.relative_to(REPO) if path.is_relative_to(REPO) else path
@@ -369,26 +422,26 @@ class Recorder:
                 return Reference(summary, source, same_machine(summary.get("machine"), self.perf.machine))
         return None
 
-    def check(self, target: str, sampling: str, checks_for, section: str | None = None) -> None:
-        """Assert budgets against the reference of this sampling mode, where they can be judged here
+    def check(self, target: str, mode: str, checks_for, section: str | None = None) -> None:
+        """Assert budgets against the reference of this mode, where they can be judged here
         (`judged_here`: the reference was measured on this machine, or is vLLM's, whose budgets allow
         for the spread between hosts); else only show them, and fail only on a broken figure (missing,
         or not a finite number), or, with PERF_REQUIRE_REFERENCE=1, for having judged nothing. Skips,
         saying why, when there is nothing to hold to (no reference in this mode, no budget section for
         it, or a reference without the `section` these figures need)."""
-        record = self.records[target, sampling]
+        record = self.records[target, mode]
         self.write(final=False)
         if target == "vllm":
             return  # vLLM is the reference: measured and recorded, nothing to hold it to
-        reference = self.reference_for(target, sampling)
+        reference = self.reference_for(target, mode)
         if reference is None:
-            self.nothing_to_hold(self.no_reference(sampling))
+            self.nothing_to_hold(self.no_reference(mode))
             return
-        name = budget_section(reference.target, sampling)
+        name = budget_section(reference.target, mode)
         budgets = self.budgets.get(name)
         if not budgets:
             # Each check the greedy budgets would make, skipped by name; then the case skips.
-            template = self.budgets.get(reference.target) if sampling != GREEDY else None
+            template = self.budgets.get(reference.target) if mode != GREEDY else None
             why = f"{BUDGETS_FILE.name} has no [{name}] budgets"
             named = checks_for(reference.summary, template) if template else []
             record.checks += [skipped(check.level, check.metric, why) for check in named]
@@ -419,15 +472,15 @@ class Recorder:
                 pytrace=False,
             )
 
-    def no_reference(self, sampling: str) -> str:
+    def no_reference(self, mode: str) -> str:
         """Why a case has no reference in this mode, and exactly how to store one."""
-        looked = ", ".join(str(path.relative_to(REPO)) for path in self.stored_candidates(sampling))
-        store = f"pytest -m perf tests/perf --target vllm -k {sampling} --save-baseline"
+        looked = ", ".join(str(path.relative_to(REPO)) for path in self.stored_candidates(mode))
+        store = f"pytest -m perf tests/perf --target vllm -k {mode} --save-baseline"
         return (
-            f"no baseline for {self.perf.machine['gpu_slug']}/{self.perf.model_key} ({sampling}: looked for "
+            f"no baseline for {self.perf.machine['gpu_slug']}/{self.perf.model_key} ({mode}: looked for "
             f"{looked}): figures recorded, budgets not checked. Measure vLLM in the same run (--target "
             f"both), or store a reference on this GPU ({store}; several trials: scripts/perf_trials.sh "
-            f'with PERF_K={sampling}, then bench merge, README "Performance tier") and commit it'
+            f'with PERF_K={mode}, then bench merge, README "Performance tier") and commit it'
         )
 
     def nothing_to_hold(self, why: str) -> None:
@@ -471,7 +524,7 @@ class Recorder:
         report shows already), labelled as references in a copy under --perf-out."""
         paths = []
         for record in self.records.values():
-            reference = self.reference_for(record.target, record.sampling) if record.measured else None
+            reference = self.reference_for(record.target, record.mode) if record.measured else None
             if reference is None or reference.same_run:
                 continue
             labelled = dict(
@@ -518,10 +571,10 @@ class ServerUnderTest:
 
 
 def modes_served(items: list[pytest.Item], target: str) -> list[str]:
-    """The sampling modes of this session's cases against `target`'s server, in the profile's order
-    (greedy when none says)."""
+    """The modes of this session's cases against `target`'s server, in the profile's order (greedy
+    when none says)."""
     modes = [
-        _params(item).get("sampling", GREEDY)
+        _params(item).get("mode", GREEDY)
         for item in items
         if "server" in getattr(item, "fixturenames", ()) and _params(item).get("target") == target
     ]
@@ -530,8 +583,8 @@ def modes_served(items: list[pytest.Item], target: str) -> list[str]:
 
 @pytest.fixture(scope="session")
 def server(target: str, perf: PerfSettings, recorder: Recorder, request: pytest.FixtureRequest):
-    """Start the target's server (or use --server-url), describe it, warm it up in each sampling mode
-    its cases use; always stop it."""
+    """Start the target's server (or use --server-url), describe it, warm it up in each mode its cases
+    use; always stop it."""
     process = None
     ready_after_s = None
     try:
@@ -576,11 +629,12 @@ def server(target: str, perf: PerfSettings, recorder: Recorder, request: pytest.
                 }
             )
         # Warm-up, kept out of every figure: a first trial on a cold server ran 7% high on the H200.
-        # Each mode its cases use: the sampled path has kernels of its own to compile and warm.
+        # Each mode its cases use: the sampled path has kernels of its own to compile and warm, text
+        # and chat the server's tokenizer and chat template.
         for mode in modes:
-            run_closed_loop(
-                endpoint, seed_mix(mode, seed=1), perf.profile.warmup_concurrency, perf.profile.warmup
-            )
+            warmup = mode_workload(perf, mode, seed=1)
+            if warmup is not None:  # else the mode's cases skip (NO_TOKENIZER)
+                run_closed_loop(endpoint, warmup, perf.profile.warmup_concurrency, perf.profile.warmup)
         yield ServerUnderTest(target, endpoint)
     finally:
         if process is not None:

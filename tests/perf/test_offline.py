@@ -19,7 +19,7 @@ from bench.trials import GREEDY, fold_offline
 pytestmark = pytest.mark.perf
 
 
-def test_offline(benchmark, target, sampling, workload, profile, perf, recorder, model_folder):
+def test_offline(benchmark, target, mode, workload, profile, perf, recorder, model_folder):
     if perf.server_url or perf.server_infos:
         pytest.skip(
             "offline runs start the target in a process of their own, and the server given by "
@@ -31,7 +31,7 @@ def test_offline(benchmark, target, sampling, workload, profile, perf, recorder,
     config = OfflineConfig(target, model_folder(), perf.dtype, workload=workload, load=profile.offline)
     sections = []
     worker: dict = {}
-    log = perf.out / f"{target}-offline{'' if sampling == GREEDY else f'-{sampling}'}.log"
+    log = perf.out / f"{target}-offline{'' if mode == GREEDY else f'-{mode}'}.log"
 
     def trial() -> None:
         try:
@@ -42,19 +42,19 @@ def test_offline(benchmark, target, sampling, workload, profile, perf, recorder,
         worker.update(run.worker)
 
     benchmark.pedantic(trial, rounds=perf.trials, iterations=1)
-    record = recorder.record(target, sampling)
+    record = recorder.record(target, mode)
     record.offline_trials = sections
     record.header["offline_target"] = worker.get("target")
     if record.header.get("version") is None:
         record.header["version"] = (worker.get("target") or {}).get("version")
     folded = fold_offline(sections)
-    benchmark.extra_info.update(target=target, sampling=sampling, case="offline", offline=folded)
+    benchmark.extra_info.update(target=target, sampling=mode, case="offline", offline=folded)
     failed = sorted({key for section in sections for key in failed_entries(section)})
     record.notes.extend(f"failed requests, offline {key}" for key in failed)
     assert not failed, f"requests failed offline in {failed}: see {log}"
     recorder.check(
         target,
-        sampling,
+        mode,
         lambda reference, budgets: check_offline(folded, reference, budgets),
         section="offline",
     )

@@ -1,9 +1,10 @@
 """The perf cases: bench's seed-mix workload as an open-loop sweep to saturation, and closed loops,
-each in every sampling mode its profile runs it in (`sampling`: greedy, sampled).
+each in every mode its profile runs it in (`mode`: greedy, sampled; the closed loops also text and
+chat, the seed-mix sent as text prompts and as chat completions).
 
 Each case runs `--trials` timed rounds through pytest-benchmark (so --benchmark-json holds every
 figure, in bench's flat keys, in extra_info), hands the figures to the recorder, and asserts the
-budgets against the reference (vLLM, or a stored result) for this GPU, model and sampling mode.
+budgets against the reference (vLLM, or a stored result) for this GPU, model and mode.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from bench.trials import CLOSED_LOOP_KEYS, OPEN_LOOP_KEYS, fold_levels
 pytestmark = pytest.mark.perf
 
 
-def test_open_loop_sweep(benchmark, server, target, sampling, workload, profile, sweep, perf, recorder):
+def test_open_loop_sweep(benchmark, server, target, mode, workload, profile, sweep, perf, recorder):
     trials = []
     failed: list[str] = []
     shed: list[str] = []
@@ -41,13 +42,14 @@ def test_open_loop_sweep(benchmark, server, target, sampling, workload, profile,
         )
 
     benchmark.pedantic(trial, rounds=perf.trials, iterations=1)
-    record = recorder.record(target, sampling)
+    record = recorder.record(target, mode)
     record.sweep_trials = trials
     summary = record.summary(perf.trials)
     benchmark.extra_info.update(
         {key: value for key, value in summary.items() if key.startswith("capacity_")},
         target=target,
-        sampling=sampling,
+        sampling=record.header["sampling"],
+        mode=mode,
         case="sweep",
         open_loop=summary["open_loop"],
     )
@@ -56,31 +58,48 @@ def test_open_loop_sweep(benchmark, server, target, sampling, workload, profile,
     assert not failed, "requests failed during the sweep:\n" + "\n".join(failed)
     recorder.check(
         target,
-        sampling,
+        mode,
         lambda reference, budgets: check_sweep(
             summary["capacity_req_s"], summary["open_loop"], reference, budgets
         ),
     )
 
 
-def test_closed_loop(benchmark, server, target, sampling, workload, profile, concurrency, perf, recorder):
+def test_closed_loop(benchmark, server, target, mode, workload, profile, concurrency, perf, recorder):
     trials = []
     failed: list[str] = []
+    miscounted: list[str] = []
 
     def trial() -> None:
         result = run_closed_loop(server.endpoint, workload, concurrency, profile.closed_load)
         failed.extend(describe_failures(result.rows))
         trials.append({"concurrency": concurrency, **{k: result.summary[k] for k in CLOSED_LOOP_KEYS}})
+        if result.summary.get("prompt_tokens_mismatched"):
+            miscounted.append(prompt_tokens_note(result.summary))
 
     benchmark.pedantic(trial, rounds=perf.trials, iterations=1)
-    record = recorder.record(target, sampling)
+    record = recorder.record(target, mode)
     record.closed_trials[concurrency] = trials
     folded = fold_levels([[t] for t in trials], "concurrency", CLOSED_LOOP_KEYS)[0]
-    benchmark.extra_info.update(folded, target=target, sampling=sampling, case="closed_loop")
+    benchmark.extra_info.update(
+        folded, target=target, sampling=record.header["sampling"], mode=mode, case="closed_loop"
+    )
     record.notes.extend(f"failed requests, concurrency {concurrency}: {line}" for line in failed)
+    record.notes.extend(f"concurrency {concurrency}: {line}" for line in miscounted)
     assert folded["failures_max"] == 0, (
         f"{folded['failures_max']:g} requests failed at concurrency {concurrency}:\n" + "\n".join(failed)
     )
     recorder.check(
-        target, sampling, lambda reference, budgets: check_closed(concurrency, folded, reference, budgets)
+        target, mode, lambda reference, budgets: check_closed(concurrency, folded, reference, budgets)
+    )
+
+
+def prompt_tokens_note(summary: dict) -> str:
+    """What the record says when the server counted prompts at other lengths than the workload's
+    (bench.metrics.check_prompt_tokens): shown, not failed, since a server may count a BOS token."""
+    return (
+        f"prompt tokens: the server counted {summary['prompt_tokens_mismatched']} of "
+        f"{summary['prompt_tokens_checked']} prompts at another length ({summary['prompt_tokens_mismatch_pct']:.1f} %), "
+        f"{summary['prompt_tokens_outside_tolerance']} outside tolerance, largest difference "
+        f"{summary['prompt_tokens_off_max']:+d} tokens"
     )

@@ -139,8 +139,8 @@ def test_each_mode_sends_its_sampling_and_is_summarized_in_its_own_file(recordin
 
 
 def test_each_mode_runs_the_cases_its_profile_gives_it():
-    # the CPU smoke: sampled only at 4 in flight and offline, no sweep (CI time); the GPU profiles run
-    # every case in both modes (test_profiles_choose_their_modes_and_the_sampled_cases)
+    # the CPU smoke: sampled only at 4 in flight and offline, no sweep (CI time), text prompts at 4 in
+    # flight; the GPU profiles run every case in both modes (test_profiles_choose_their_modes_and_the_sampled_cases)
     done = run_perf_tier(["--collect-only", "--profile", "smoke", "--model", "tiny"], timeout_s=60)
     assert done.returncode == 0, done.stdout[-2000:]
     assert [line.split("::")[1] for line in done.stdout.splitlines() if "::" in line] == [
@@ -150,6 +150,7 @@ def test_each_mode_runs_the_cases_its_profile_gives_it():
         "test_closed_loop[greedy-1-engine]",
         "test_closed_loop[greedy-4-engine]",
         "test_closed_loop[sampled-4-engine]",
+        "test_closed_loop[text-4-engine]",
     ]
 
 
@@ -189,7 +190,7 @@ def test_a_mode_without_its_budget_section_is_skipped_by_name(recording_fake_ser
     here = describe_machine()
     greedy = reference(tmp_path / "greedy.json", "greedy", 1.0, here)  # slow: greedy passes
     sampled = reference(tmp_path / "sampled.json", "sampled", 1.0, here)
-    args = ["-k", "closed_loop and 4", "--baseline", str(greedy), "--baseline", str(sampled)]
+    args = ["-k", "closed_loop and 4 and not text", "--baseline", str(greedy), "--baseline", str(sampled)]
     run = perf_tier(url, tmp_path / "out", *args, env=env)
     assert run.returncode == 0, run.stdout[-2000:]
     assert "1 passed, 1 skipped" in run.stdout
