@@ -41,6 +41,7 @@ from bench.offline import (
     run_json,
     run_offline,
 )
+from bench.prefix import VLLM_RESET_ENV, cache_on_args
 from bench.probe import first_model
 from bench.profiles import PROFILES
 from bench.report import write_report
@@ -110,9 +111,41 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
 
     workload = run.add_argument_group("workload")
-    workload.add_argument("--workload", choices=["seed-mix", "fixed", "jsonl"], default="seed-mix")
+    workload.add_argument(
+        "--workload",
+        choices=["seed-mix", "fixed", "jsonl", "shared-prefix", "multi-turn"],
+        default="seed-mix",
+    )
     workload.add_argument("--input-len", type=int, default=128, help="fixed: prompt tokens")
-    workload.add_argument("--output-len", type=int, default=128, help="fixed: tokens to generate")
+    workload.add_argument(
+        "--output-len",
+        type=int,
+        default=128,
+        help="fixed, shared-prefix: tokens to generate; multi-turn: each recorded reply's length and budget",
+    )
+    spec_defaults = WorkloadSpec()
+    workload.add_argument(
+        "--num-prefixes", type=int, default=spec_defaults.num_prefixes, help="shared-prefix: prefixes"
+    )
+    workload.add_argument(
+        "--prefix-len",
+        type=int,
+        default=spec_defaults.prefix_len,
+        help="shared-prefix: tokens of each prefix; multi-turn: of each conversation's first message",
+    )
+    workload.add_argument(
+        "--suffix-len",
+        type=int,
+        default=spec_defaults.suffix_len,
+        help="shared-prefix: tokens after the prefix; multi-turn: of each later user message",
+    )
+    workload.add_argument("--turns", type=int, default=spec_defaults.turns, help="multi-turn: turns")
+    workload.add_argument(
+        "--conversations",
+        type=int,
+        default=spec_defaults.conversations,
+        help="multi-turn: conversations interleaved (at least the requests in flight)",
+    )
     workload.add_argument("--dataset", help="jsonl: file of {prompt, max_tokens} or ShareGPT conversations")
     workload.add_argument(
         "--token-range", type=_token_range, default=(1000, 30000), help="prompt token ids in [LOW,HIGH)"
@@ -174,6 +207,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--slo", type=parse_slo, default=parse_slo("ttft_s=0.5,tpot_s=0.05"), help="goodput SLO"
     )
     load.add_argument("--workers", type=int, default=1, help="client processes sharing the load")
+    load.add_argument(
+        "--fresh-prefix-cache",
+        action="store_true",
+        help="before each closed-loop level, POST /reset_prefix_cache and move the seed, so no level "
+        "finds an earlier level's prompts cached (for a server with its prefix cache on)",
+    )
     load.add_argument("--quiet", action="store_true", help="no progress bars or per-level lines")
     run.add_argument("--out", help="run folder (default bench-out/TARGET-TIME)")
 
@@ -256,6 +295,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", default="bfloat16", help="float32 for the engine on CPU")
     serve.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
     serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument(
+        "--prefix-cache",
+        action="store_true",
+        help="leave the prefix cache on (each target's default; the perf tier's prefix-cache cases), and "
+        "start vLLM with VLLM_SERVER_DEV_MODE=1 so that it serves POST /reset_prefix_cache",
+    )
     serve.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for /health")
     serve.add_argument("--log", help="server log (default perf-out/TARGET-server.log)")
     serve.add_argument("--info", help="description JSON to write (default perf-out/TARGET-server.json)")
@@ -439,6 +484,10 @@ def command_serve(args: argparse.Namespace) -> int:
     spec = ServerSpec.for_target(
         args.target, str(Path(args.model).resolve()), args.dtype, args.port, args.max_model_len, args.seed
     )
+    if args.prefix_cache:
+        spec.args = cache_on_args(spec.args)
+        if args.target == "vllm":
+            os.environ.update(VLLM_RESET_ENV)  # ServerProcess passes this process's environment on
     process = ServerProcess(spec, args.log or f"perf-out/{args.target}-server.log")
     try:
         process.start(timeout_s=args.timeout)  # stops the server itself if it never becomes healthy
@@ -508,6 +557,11 @@ def command_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             prompt_format=args.prompt_format,
             api=args.api,
             tokenizer=str(Path(tokenizer).resolve()) if tokenizer else None,
+            num_prefixes=args.num_prefixes,
+            prefix_len=args.prefix_len,
+            suffix_len=args.suffix_len,
+            turns=args.turns,
+            conversations=args.conversations,
         )
         load = LoadConfig(
             n_requests=args.n_requests,
@@ -536,6 +590,7 @@ def command_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         if args.sweep
         else None,
         out_dir=args.out or os.path.join("bench-out", f"{endpoint.target.replace(':', '_')}-{stamp}"),
+        fresh_prefix_cache=args.fresh_prefix_cache,
     )
     run = run_benchmark(config)
     print(f"wrote {config.out_dir}/run.json and requests.csv ({len(run['levels'])} levels)")

@@ -13,8 +13,43 @@ from dataclasses import dataclass
 
 from bench.offline import OfflineLoad, Probes
 from bench.runner import LoadConfig, SweepConfig
-from bench.trials import GREEDY, PROMPT_MODES, SAMPLING_MODES
+from bench.trials import GREEDY, PREFIX_MODES, PROMPT_MODES, SAMPLING_MODES
 from bench.workload import WorkloadSpec
+
+
+@dataclass(frozen=True)
+class PrefixShape:
+    """The prefix-cache modes' requests (WorkloadSpec's fields of the same names): shared-prefix sends
+    one of `num_prefixes` prefixes of `prefix_len` tokens, then `suffix_len` of its own; multi-turn
+    starts each conversation with `prefix_len` tokens and adds a recorded reply and a user message of
+    `suffix_len` each turn, for `turns` turns; each request generates `output_len` tokens. The
+    default is the issue's target shape (16 prefixes of 2,048 tokens, suffixes and outputs of 128)."""
+
+    num_prefixes: int = 16
+    prefix_len: int = 2048
+    suffix_len: int = 128
+    output_len: int = 128
+    turns: int = 6
+    conversation_prefix_len: int = 1024  # multi-turn's first message: 1,024 + 5 x 256 + 128 fits 4,352
+
+
+def prefix_workload(mode: str, shape: PrefixShape, concurrency: int, seed: int = 0) -> WorkloadSpec:
+    """The workload of a prefix-cache mode at a concurrency (bench.trials.PREFIX_MODES), greedy token
+    ids: multi-turn interleaves twice as many conversations as requests in flight, so a turn goes out
+    after the one before it has usually finished (bench.workload.conversation_turn)."""
+    kind = PREFIX_MODES[mode]["workload"]
+    if kind == "seed-mix":
+        return WorkloadSpec(kind="seed-mix", seed=seed)
+    return WorkloadSpec(
+        kind="multi-turn" if kind == "multi-turn" else "shared-prefix",
+        seed=seed,
+        output_len=shape.output_len,
+        num_prefixes=shape.num_prefixes,
+        prefix_len=shape.conversation_prefix_len if kind == "multi-turn" else shape.prefix_len,
+        suffix_len=shape.suffix_len,
+        turns=shape.turns,
+        conversations=max(8, 2 * concurrency),
+    )
 
 
 def seed_mix(mode: str, seed: int = 0, tokenizer: str | None = None) -> WorkloadSpec:
@@ -47,7 +82,9 @@ class Profile:
     except that the sampled mode runs the sweep only if `sampled_sweep` and only the concurrencies
     `sampled_concurrencies` (None: all of them). `prompt_modes` (bench.trials.PROMPT_MODES: text,
     chat) run the closed loops only, at `prompt_concurrencies` (None: all of them): neither the sweep
-    nor the offline case, which sends no HTTP; `bench ab` measures `sampling` alone."""
+    nor the offline case, which sends no HTTP; `bench ab` measures `sampling` alone. `prefix_modes`
+    (bench.trials.PREFIX_MODES) run closed loops at `prefix_concurrencies` against each server with
+    its prefix cache on, with requests of `prefix_shape`."""
 
     name: str
     sweep: SweepConfig | None
@@ -62,6 +99,9 @@ class Profile:
     sampled_concurrencies: tuple[int, ...] | None = None
     prompt_modes: tuple[str, ...] = ()
     prompt_concurrencies: tuple[int, ...] | None = None
+    prefix_modes: tuple[str, ...] = ()
+    prefix_concurrencies: tuple[int, ...] = ()
+    prefix_shape: PrefixShape = PrefixShape()
 
     def __post_init__(self) -> None:
         if unknown := [mode for mode in self.sampling if mode not in SAMPLING_MODES]:
@@ -74,6 +114,10 @@ class Profile:
             )
         if unknown := [mode for mode in self.prompt_modes if mode not in PROMPT_MODES]:
             raise ValueError(f"profile {self.name}: unknown prompt modes {unknown} ({sorted(PROMPT_MODES)})")
+        if unknown := [mode for mode in self.prefix_modes if mode not in PREFIX_MODES]:
+            raise ValueError(f"profile {self.name}: unknown prefix modes {unknown} ({sorted(PREFIX_MODES)})")
+        if self.prefix_modes and not self.prefix_concurrencies:
+            raise ValueError(f"profile {self.name}: prefix modes without prefix_concurrencies")
         if extra := set(self.prompt_concurrencies or ()) - set(self.concurrencies):
             raise ValueError(
                 f"profile {self.name}: prompt-mode concurrencies {sorted(extra)} not in {self.concurrencies}"
@@ -91,6 +135,8 @@ class Profile:
         mode the profile measures."""
         if mode == GREEDY:
             return self
+        if mode in PREFIX_MODES:
+            return dataclasses.replace(self, sweep=None, concurrencies=self.prefix_concurrencies)
         if mode in PROMPT_MODES:
             concurrencies = self.prompt_concurrencies
             return dataclasses.replace(
@@ -117,6 +163,9 @@ PROFILES = {
         offline=OfflineLoad(n_requests=1000, warmup=32),
         sampling=("greedy", "sampled"),
         prompt_modes=("text", "chat"),
+        # The issue's targets: the shared-prefix workload at 64 in flight, both caches on; 8 for latency.
+        prefix_modes=("shared-prefix", "multi-turn", "cache-on"),
+        prefix_concurrencies=(8, 64),
     ),
     # Capacity and the closed loop at 1 and 128 of both targets in one 10-minute command (--target both),
     # for one sampling mode: both modes take two such commands (`-k greedy`, `-k sampled`).
@@ -131,6 +180,8 @@ PROFILES = {
         offline=OfflineLoad(n_requests=300, warmup=16),
         sampling=("greedy", "sampled"),
         prompt_modes=("text", "chat"),
+        prefix_modes=("shared-prefix", "multi-turn", "cache-on"),
+        prefix_concurrencies=(64,),
     ),
     "smoke": Profile(
         name="smoke",

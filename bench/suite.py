@@ -1,7 +1,8 @@
 """A whole `bench run`: probe the server, run every level asked for, write the run folder.
 
 `RunConfig` is what the CLI builds from its flags; `run_benchmark` calls bench.probe, then
-bench.runner for each rate, concurrency or the sweep, then bench.results.write_run.
+bench.runner for each rate, concurrency or the sweep (bench.prefix for closed loops from an empty
+prefix cache), then bench.results.write_run.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 from bench.client import Endpoint
 from bench.metrics import RequestRow
+from bench.prefix import hit_figures, read_counters, run_fresh_level
 from bench.probe import probe
 from bench.results import write_run
 from bench.runner import LevelResult, LoadConfig, SweepConfig, run_closed_loop, run_open_loop, run_sweep
@@ -34,6 +36,9 @@ class RunConfig:
     concurrencies: tuple[int, ...] = ()
     sweep: SweepConfig | None = None
     out_dir: str = "bench-out/run"
+    # Each closed-loop level from an empty prefix cache with prompts of its own (bench.prefix.
+    # run_fresh_level): for servers with their prefix cache on.
+    fresh_prefix_cache: bool = False
 
 
 def describe_config(config: RunConfig) -> dict[str, Any]:
@@ -60,7 +65,9 @@ def run_benchmark(config: RunConfig) -> dict[str, Any]:
     levels: list[LevelResult] = []
     run: dict[str, Any] = {}
     for rate in config.rates:
+        before = read_counters(config.endpoint)
         levels.append(run_open_loop(config.endpoint, config.workload, rate, config.load, clock_zero))
+        levels[-1].summary.update(hit_figures(before, read_counters(config.endpoint)))
         _print_level(levels[-1], config.load.progress)
     if config.sweep is not None:
         swept = run_sweep(config.endpoint, config.workload, config.load, config.sweep, clock_zero)
@@ -69,8 +76,16 @@ def run_benchmark(config: RunConfig) -> dict[str, Any]:
         levels.extend(swept.levels)
         run["capacity_req_s"] = swept.capacity_req_s
         run["capacity_still_rising"] = swept.capacity_still_rising
-    for concurrency in config.concurrencies:
-        levels.append(run_closed_loop(config.endpoint, config.workload, concurrency, config.load, clock_zero))
+    for number, concurrency in enumerate(config.concurrencies):
+        if config.fresh_prefix_cache:
+            level = run_fresh_level(
+                config.endpoint, config.workload, concurrency, config.load, number, clock_zero
+            )
+        else:
+            before = read_counters(config.endpoint)
+            level = run_closed_loop(config.endpoint, config.workload, concurrency, config.load, clock_zero)
+            level.summary.update(hit_figures(before, read_counters(config.endpoint)))
+        levels.append(level)
         _print_level(levels[-1], config.load.progress)
     rows: list[RequestRow] = [row for level in levels for row in level.rows]
     run = {

@@ -32,8 +32,19 @@ PROMPT_MODES: dict[str, dict[str, str]] = {
     "text": {"prompt_format": "text", "api": "completions"},
     "chat": {"prompt_format": "text", "api": "chat"},
 }
+# The perf tier's prefix-cache modes: both servers with their prefix cache on (each's default), every
+# level from an empty cache with prompts of its own (bench.prefix.run_fresh_level), greedy token ids.
+# `workload` is WorkloadSpec.kind: requests sharing one of K prefixes, a multi-turn replay, and the
+# seed-mix, whose requests share nothing (what the cache costs where it never hits).
+PREFIX_MODES: dict[str, dict[str, str]] = {
+    "shared-prefix": {"workload": "shared-prefix"},
+    "multi-turn": {"workload": "multi-turn"},
+    "cache-on": {"workload": "seed-mix"},
+}
 # Every mode a perf case runs in: each has its own record, summary file, reference and budget section.
-CASE_MODES: tuple[str, ...] = (*SAMPLING_MODES, *PROMPT_MODES)
+CASE_MODES: tuple[str, ...] = (*SAMPLING_MODES, *PROMPT_MODES, *PREFIX_MODES)
+# Closed-loop figures a case may add to CLOSED_LOOP_KEYS (folded where a trial has them).
+PREFIX_CACHE_KEYS = ("prefix_cache_hit_rate",)
 
 OPEN_LOOP_KEYS = (
     "served_req_s",
@@ -68,7 +79,10 @@ OFFLINE_KEYS = (
 def summary_name(stem: str, mode: str) -> str:
     """The file of a target's (or an A/B side's) summary in a mode: `engine-seed-mix.json` for greedy,
     the name every stored baseline already has, `engine-seed-mix-sampled.json` for sampled (and
-    `-text`, `-chat` for the prompt modes)."""
+    `-text`, `-chat` for the prompt modes, `-cache-on`); a prefix mode of a workload of its own is
+    named for it: `engine-shared-prefix.json`, `engine-multi-turn.json`."""
+    if PREFIX_MODES.get(mode, {}).get("workload") == mode:
+        return f"{stem}-{mode}.json"
     return f"{stem}-seed-mix{'' if mode == GREEDY else f'-{mode}'}.json"
 
 
@@ -77,6 +91,14 @@ def sampling_header(mode: str) -> dict[str, Any]:
     (`mode`), its prompt format and API, and its sampling (greedy)."""
     if mode in PROMPT_MODES:
         return {"sampling": GREEDY, **SAMPLING_MODES[GREEDY], "mode": mode, **PROMPT_MODES[mode]}
+    if mode in PREFIX_MODES:
+        return {
+            "sampling": GREEDY,
+            **SAMPLING_MODES[GREEDY],
+            "mode": mode,
+            "prefix_cache": True,
+            **PREFIX_MODES[mode],
+        }
     return {"sampling": mode, **SAMPLING_MODES[mode]}
 
 
@@ -192,8 +214,14 @@ def summarize_trials(
     offline_trials: Sequence[Mapping[str, Mapping[str, Any]]] = (),
 ) -> dict[str, Any]:
     """The summary JSON. sweep_trials: one {"capacity_req_s", "capacity_still_rising", "levels"} per trial;
-    closed_trials: for each trial, its closed-loop level summaries; offline_trials: each trial's
-    offline section (an `offline` key only when there is one)."""
+    closed_trials: for each trial, its closed-loop level summaries (PREFIX_CACHE_KEYS folded too where
+    a level has them); offline_trials: each trial's offline section (an `offline` key only when there
+    is one)."""
+    extra = [
+        key
+        for key in PREFIX_CACHE_KEYS
+        if any(_number(level.get(key)) for levels in closed_trials for level in levels)
+    ]
     summary: dict[str, Any] = dict(header)
     summary["trials"] = trials
     if sweep_trials:
@@ -203,7 +231,7 @@ def summarize_trials(
         summary["capacity_req_s"] = None
         summary["capacity_still_rising"] = None
     summary["open_loop"] = fold_levels([t["levels"] for t in sweep_trials], "rate", OPEN_LOOP_KEYS)
-    summary["closed_loop"] = fold_levels(closed_trials, "concurrency", CLOSED_LOOP_KEYS)
+    summary["closed_loop"] = fold_levels(closed_trials, "concurrency", (*CLOSED_LOOP_KEYS, *extra))
     if offline_trials:
         summary["offline"] = fold_offline(offline_trials)
     return summary

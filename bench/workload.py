@@ -2,7 +2,9 @@
 
 `make_request(spec, index)` builds request `index` of a workload deterministically from the seed, so
 any worker process can build its own share; `arrival_offsets` gives the open-loop schedule.
-The runner calls both; nothing here does I/O except reading a `--dataset` file.
+The runner calls both; nothing here does I/O except reading a `--dataset` file. Two workloads share
+prompt prefixes, for servers with a prefix cache: `shared-prefix` (one of K prefixes, then a unique
+suffix) and `multi-turn` (recorded conversations, each turn resending the conversation so far).
 """
 
 from __future__ import annotations
@@ -25,8 +27,11 @@ SAMPLED = {"temperature": 1.0, "top_p": 0.95}
 # the rate never changes which prompts are sent.
 _PROMPT_STREAM = 0
 _ARRIVAL_STREAM = 1
+_PREFIX_STREAM = 2  # shared-prefix: prefix j's ids
+_CONVERSATION_STREAM = 3  # multi-turn: conversation c's turns and recorded replies
 
-WorkloadKind = Literal["seed-mix", "fixed", "jsonl"]
+WorkloadKind = Literal["seed-mix", "fixed", "jsonl", "shared-prefix", "multi-turn"]
+PREFIX_KINDS = ("shared-prefix", "multi-turn")
 Arrival = Literal["constant", "poisson"]
 # How a prompt is sent: the token ids themselves, or text of the same token length made from the
 # model's tokenizer (bench.prompts), which the server then tokenizes as a user's text.
@@ -56,6 +61,16 @@ class WorkloadSpec:
     prompt_format: PromptFormat = "token-ids"
     api: Api = "completions"
     tokenizer: str | None = None
+    # shared-prefix: request i is prefix (i mod num_prefixes) of prefix_len tokens, then a suffix of
+    # suffix_len tokens of its own; output_len tokens each (the shape of `vllm bench serve --dataset-name
+    # prefix_repetition`). multi-turn: `conversations` conversations of `turns` turns, the first user
+    # message prefix_len tokens, each later one suffix_len, each recorded reply output_len (also each
+    # turn's budget); see make_request.
+    num_prefixes: int = 16
+    prefix_len: int = 2048
+    suffix_len: int = 128
+    turns: int = 4
+    conversations: int = 32
 
     def __post_init__(self) -> None:
         low, high = self.token_range
@@ -73,6 +88,17 @@ class WorkloadSpec:
             raise ValueError(f"prompt_format must be token-ids or text, got {self.prompt_format!r}")
         if self.api not in ("completions", "chat"):
             raise ValueError(f"api must be completions or chat, got {self.api!r}")
+        if self.kind in PREFIX_KINDS:
+            if self.sends_text:
+                raise ValueError(
+                    f"the {self.kind} workload sends token ids to /v1/completions: a prefix shared in "
+                    "token ids is shared exactly, text re-tokenized at a join need not be"
+                )
+            sizes = {"prefix_len": self.prefix_len, "suffix_len": self.suffix_len}
+            sizes |= {"output_len": self.output_len, "num_prefixes": self.num_prefixes}
+            sizes |= {"turns": self.turns, "conversations": self.conversations}
+            if small := [name for name, value in sizes.items() if value < 1]:
+                raise ValueError(f"the {self.kind} workload needs {', '.join(small)} >= 1")
         if self.sends_text and self.kind != "jsonl" and not self.tokenizer:
             raise ValueError(
                 "text prompts (prompt_format text, or the chat API) are made with the model's tokenizer: "
@@ -115,6 +141,10 @@ def make_request(spec: WorkloadSpec, index: int) -> Request:
         entries = load_dataset(spec.dataset or "")
         prompt, max_tokens = entries[index % len(entries)]
         return Request(index, prompt, len(prompt.split()), max_tokens, spec.temperature, spec.top_p, spec.api)
+    if spec.kind == "shared-prefix":
+        return _shared_prefix_request(spec, index)
+    if spec.kind == "multi-turn":
+        return _turn_request(spec, index)
     if spec.sends_text:
         return _text_request(spec, index)
     rng = np.random.default_rng([spec.seed, _PROMPT_STREAM, index])
@@ -133,6 +163,54 @@ def _draw(spec: WorkloadSpec, rng: np.random.Generator) -> tuple[int, int, list[
         raise ValueError(f"unknown workload {spec.kind!r}")
     low, high = spec.token_range
     return prompt_len, max_tokens, rng.integers(low, high, size=prompt_len).tolist()
+
+
+def _ids(spec: WorkloadSpec, key: list[int], count: int) -> list[int]:
+    low, high = spec.token_range
+    return np.random.default_rng([spec.seed, *key]).integers(low, high, size=count).tolist()
+
+
+def _shared_prefix_request(spec: WorkloadSpec, index: int) -> Request:
+    """Prefix `index mod num_prefixes` (its ids fixed by the seed and its number), then a suffix of this
+    request's own: the K prefixes take turns, so each is sent equally often."""
+    prefix = _prefix_ids(spec, index % spec.num_prefixes)
+    suffix = _ids(spec, [_PROMPT_STREAM, index], spec.suffix_len)
+    prompt_len = spec.prefix_len + spec.suffix_len
+    return Request(index, prefix + suffix, prompt_len, spec.output_len, spec.temperature, spec.top_p)
+
+
+@lru_cache(maxsize=64)
+def _prefix_ids(spec: WorkloadSpec, number: int) -> list[int]:
+    return _ids(spec, [_PREFIX_STREAM, number], spec.prefix_len)
+
+
+def conversation_turn(spec: WorkloadSpec, index: int) -> tuple[int, int]:
+    """(conversation, turn) of request `index` in a multi-turn workload.
+
+    Requests go round the conversations of a round: the first `conversations` requests are each one's
+    first turn, the next as many their second turn, and so on for `turns` turns; then a new round of
+    conversations begins. So a turn goes out `conversations` requests after the turn before it: with
+    `conversations` at least the requests in flight, that turn has usually finished, and its prompt
+    (the new turn's prefix) is in the cache, as when a user answers a reply. Example, 2 conversations
+    of 3 turns: indices 0..5 are (0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2); index 6 is (2, 0)."""
+    per_round = spec.conversations * spec.turns
+    round_number, within = divmod(index, per_round)
+    turn, member = divmod(within, spec.conversations)
+    return round_number * spec.conversations + member, turn
+
+
+def _turn_request(spec: WorkloadSpec, index: int) -> Request:
+    """Turn t of a recorded conversation: its first user message (prefix_len ids), then for each
+    earlier turn the recorded reply (output_len ids) and the next user message (suffix_len ids). The
+    replies are part of the workload, not what the server generated, so every server receives the same
+    requests and their cache hit rates can be compared; each turn's budget is a reply's length."""
+    conversation, turn = conversation_turn(spec, index)
+    ids = _ids(spec, [_CONVERSATION_STREAM, conversation, 0, 0], spec.prefix_len)
+    for k in range(1, turn + 1):
+        ids += _ids(spec, [_CONVERSATION_STREAM, conversation, k, 1], spec.output_len)  # reply k-1
+        ids += _ids(spec, [_CONVERSATION_STREAM, conversation, k, 0], spec.suffix_len)  # user k
+    prompt_len = spec.prefix_len + turn * (spec.output_len + spec.suffix_len)
+    return Request(index, ids, prompt_len, spec.output_len, spec.temperature, spec.top_p)
 
 
 @lru_cache(maxsize=1 << 14)

@@ -23,7 +23,7 @@ import functools
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,12 +50,14 @@ from bench.launch import (
 )
 from bench.machine import describe_machine, same_machine
 from bench.offline import describe_entry
+from bench.prefix import CACHE_OFF_FLAG, VLLM_RESET_ENV, cache_on_args
 from bench.probe import first_model, probe
 from bench.profiles import PROFILES, Profile, seed_mix
 from bench.report import write_report
 from bench.runner import SweepConfig, run_closed_loop
 from bench.trials import (
     GREEDY,
+    PREFIX_MODES,
     PROMPT_MODES,
     case_mode,
     describe_sampling,
@@ -167,10 +169,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """Each case in each mode the profile runs it in (ids `[sampled-4-engine]`, so `-k sampled` selects
     a mode): the closed loop at each of the mode's concurrencies, the sweep only in modes with one (a
     case that asks for `sweep`), the offline case in every sampling mode (it sends no HTTP: the prompt
-    modes, text and chat, have nothing to measure there)."""
+    modes, text and chat, have nothing to measure there); a case against the server with its prefix
+    cache on (`cached_server`) in the prefix-cache modes, and only it."""
     perf = settings(metafunc.config)
     if "mode" in metafunc.fixturenames:
-        profiles = {mode: perf.profile.for_mode(mode) for mode in perf.profile.modes}
+        cached = "cached_server" in metafunc.fixturenames
+        modes_here = perf.profile.prefix_modes if cached else perf.profile.modes
+        profiles = {mode: perf.profile.for_mode(mode) for mode in modes_here}
         if "concurrency" in metafunc.fixturenames:
             pairs = [(mode, c) for mode, profile in profiles.items() for c in profile.concurrencies]
             metafunc.parametrize(("mode", "concurrency"), pairs, ids=[f"{m}-{c}" for m, c in pairs])
@@ -195,19 +200,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """All cases of one target, then all of the next (vLLM first with --target both): the session's
     server is then started once per target, never twice. Within a target, cases that do not use the
     server (the offline cases) come first, before it starts; then the greedy cases, the sampled, and
-    the prompt modes'."""
+    the prompt modes'; last the prefix-cache cases, against a server of their own (the cache on)."""
     perf = settings(config)
     order = {target: i for i, target in enumerate(perf.targets)}
-    modes = {mode: i for i, mode in enumerate(perf.profile.modes)}
+    modes = {mode: i for i, mode in enumerate((*perf.profile.modes, *perf.profile.prefix_modes))}
 
-    def key(item: pytest.Item) -> tuple[int, bool, int]:
+    def key(item: pytest.Item) -> tuple[int, int, int]:
         params = _params(item)
-        return (
-            order.get(str(params.get("target")), -1),
-            "server" in getattr(item, "fixturenames", ()),
-            modes.get(str(params.get("mode")), -1),
-        )
+        names = getattr(item, "fixturenames", ())
+        stage = 2 if "cached_server" in names else 1 if "server" in names else 0
+        return (order.get(str(params.get("target")), -1), stage, modes.get(str(params.get("mode")), -1))
 
+    # A case with no mode in this profile (the smoke runs no prefix-cache mode) is not collected, rather
+    # than listed as an empty parameter set.
+    unparametrized = [
+        item for item in items if "mode" in _params(item) and not isinstance(_params(item)["mode"], str)
+    ]
+    if unparametrized:
+        config.hook.pytest_deselected(items=unparametrized)
+        items[:] = [item for item in items if item not in unparametrized]
     items.sort(key=key)
 
 
@@ -328,6 +339,8 @@ class TargetRecord:
             return self.target
         if self.mode in PROMPT_MODES:
             return f"{self.target}, {'chat completions' if self.mode == 'chat' else 'text prompts'}"
+        if self.mode in PREFIX_MODES:
+            return f"{self.target}, {self.mode} (prefix cache on)"
         return f"{self.target}, {describe_sampling(self.header['temperature'], self.header['top_p'])}"
 
     @property
@@ -570,13 +583,13 @@ class ServerUnderTest:
     endpoint: Endpoint
 
 
-def modes_served(items: list[pytest.Item], target: str) -> list[str]:
-    """The modes of this session's cases against `target`'s server, in the profile's order (greedy
-    when none says)."""
+def modes_served(items: list[pytest.Item], target: str, fixture: str = "server") -> list[str]:
+    """The modes of this session's cases against `target`'s server (`fixture`: `server`, or
+    `cached_server`, the one with its prefix cache on), in the profile's order (greedy when none says)."""
     modes = [
         _params(item).get("mode", GREEDY)
         for item in items
-        if "server" in getattr(item, "fixturenames", ()) and _params(item).get("target") == target
+        if fixture in getattr(item, "fixturenames", ()) and _params(item).get("target") == target
     ]
     return list(dict.fromkeys(modes)) or [GREEDY]
 
@@ -585,12 +598,33 @@ def modes_served(items: list[pytest.Item], target: str) -> list[str]:
 def server(target: str, perf: PerfSettings, recorder: Recorder, request: pytest.FixtureRequest):
     """Start the target's server (or use --server-url), describe it, warm it up in each mode its cases
     use; always stop it."""
+    yield from _serve(target, perf, recorder, request, cached=False)
+
+
+@pytest.fixture(scope="session")
+def cached_server(target: str, perf: PerfSettings, recorder: Recorder, request: pytest.FixtureRequest):
+    """The target's server with its prefix cache on (both servers' default; bench.prefix.cache_on_args),
+    vLLM with VLLM_SERVER_DEV_MODE=1 so that POST /reset_prefix_cache is served; started after every
+    other server of the session has stopped. A --server-info server started with the cache off makes
+    its cases skip; a --server-url server is measured as it runs."""
+    yield from _serve(target, perf, recorder, request, cached=True)
+
+
+def _serve(
+    target: str, perf: PerfSettings, recorder: Recorder, request: pytest.FixtureRequest, cached: bool
+) -> Iterator[ServerUnderTest]:
     process = None
     ready_after_s = None
+    key = f"{target}-cached" if cached else target
     try:
         if info := perf.server_infos.get(target):
             base_url, server_args = str(info["base_url"]).rstrip("/"), list(info["args"])
             ready_after_s = info.get("ready_after_s")
+            if cached and CACHE_OFF_FLAG in server_args:
+                pytest.skip(
+                    f"the {target} server of --server-info runs with {CACHE_OFF_FLAG}: the prefix-cache "
+                    "cases need one with the cache on (`python -m bench serve --prefix-cache`)"
+                )
         elif perf.server_url:
             base_url, server_args = perf.server_url.rstrip("/"), []
         else:
@@ -598,10 +632,17 @@ def server(target: str, perf: PerfSettings, recorder: Recorder, request: pytest.
                 pytest.skip(reason)
             folder = model_dir(perf)
             spec = ServerSpec.for_target(target, folder, perf.dtype)
+            if cached:
+                spec.args = cache_on_args(spec.args)
             server_args = spec.args
-            process = ServerProcess(spec, perf.out / f"{target}-server.log")
-            recorder.servers[target] = process
-            process.start(timeout_s=300.0 if target == "vllm" else 180.0)
+            recorder.stop_servers()  # the GPU to this server alone (the cache-off one is done)
+            process = ServerProcess(spec, perf.out / f"{key}-server.log")
+            recorder.servers[key] = process
+            with pytest.MonkeyPatch.context() as env:  # ServerProcess passes on this process's environment
+                if cached and target == "vllm":
+                    for name, value in VLLM_RESET_ENV.items():
+                        env.setenv(name, value)
+                process.start(timeout_s=300.0 if target == "vllm" else 180.0)
             base_url, ready_after_s = spec.base_url, process.ready_after_s
         api_key = os.environ.get("OPENAI_API_KEY")  # as bench's --api-key default: a server with --api-key
         endpoint = Endpoint(
@@ -609,12 +650,12 @@ def server(target: str, perf: PerfSettings, recorder: Recorder, request: pytest.
         )
         described = probe(endpoint)
         body = (described.get("server") or {}).get("body") or {}  # type: ignore[union-attr]
-        if target in recorder.served:
+        if key in recorder.served:
             raise RuntimeError(
-                f"the {target} server was started twice in one session: its cases were not grouped"
+                f"the {key} server was started twice in one session: its cases were not grouped"
             )
-        recorder.served.add(target)
-        modes = modes_served(request.session.items, target)
+        recorder.served.add(key)
+        modes = modes_served(request.session.items, target, "cached_server" if cached else "server")
         for mode in modes:
             record = recorder.record(target, mode)
             record.header.update(
@@ -630,8 +671,9 @@ def server(target: str, perf: PerfSettings, recorder: Recorder, request: pytest.
             )
         # Warm-up, kept out of every figure: a first trial on a cold server ran 7% high on the H200.
         # Each mode its cases use: the sampled path has kernels of its own to compile and warm, text
-        # and chat the server's tokenizer and chat template.
-        for mode in modes:
+        # and chat the server's tokenizer and chat template. The prefix-cache cases' levels each start
+        # from an empty cache with prompts of their own: a greedy warm-up serves them all.
+        for mode in [GREEDY] if cached else modes:
             warmup = mode_workload(perf, mode, seed=1)
             if warmup is not None:  # else the mode's cases skip (NO_TOKENIZER)
                 run_closed_loop(endpoint, warmup, perf.profile.warmup_concurrency, perf.profile.warmup)
