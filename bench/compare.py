@@ -23,7 +23,7 @@ from scipy import stats
 
 from bench.metrics import STEP_TIMING, metric_direction
 from bench.results import Result, level_key, load_result
-from bench.trials import GREEDY, describe_sampling, sampling_settings
+from bench.trials import GREEDY, describe_prompts, describe_sampling, sampling_settings
 
 # The regression gate's limits (the engine against itself): throughput 5 %, latency p50 10 %, no new
 # failures; offline, the same figures per mode, the probes, and step_ms (only where both sides took
@@ -461,14 +461,18 @@ def combine(comparisons: Mapping[str, Comparison]) -> Comparison:
 
 
 def sampling_note(base: Result, new: Result) -> str | None:
-    """A line saying the two results sampled differently (greedy against sampled: two workloads, so a
-    ratio there is not a regression), or None when they sampled alike."""
+    """A line saying the two results sampled or sent their prompts differently (greedy against sampled,
+    token ids against text or chat: two workloads, so a ratio there is not a regression), or None when
+    they were alike."""
     base_sampling, new_sampling = sampling_settings(base.meta), sampling_settings(new.meta)
-    if base_sampling == new_sampling:
+    base_prompts, new_prompts = describe_prompts(base.meta), describe_prompts(new.meta)
+    if base_sampling == new_sampling and base_prompts == new_prompts:
         return None
+    base_mode = describe_sampling(*base_sampling) + base_prompts
+    new_mode = describe_sampling(*new_sampling) + new_prompts
     return (
-        f"note: base is {describe_sampling(*base_sampling)}, new is {describe_sampling(*new_sampling)}: "
-        "different workloads, so ratios compare sampling modes, not versions"
+        f"note: base is {base_mode}, new is {new_mode}: "
+        "different workloads, so ratios compare sampling or prompt modes, not versions"
     )
 
 

@@ -215,3 +215,29 @@ def test_the_tier_measures_a_shared_prefix_case_and_names_what_it_lacks(tmp_path
     assert "POST /reset_prefix_cache answered 404" in text
     assert "exposes no prefix cache counters" in text
     assert "(shared-prefix: looked for baselines/cpu/prefix-test-model/vllm-shared-prefix.json" in text
+
+
+def test_bench_run_measures_fresh_levels_and_their_hit_rates(cached_tiny_server, tmp_path):
+    import json
+
+    from bench.__main__ import main
+
+    out = tmp_path / "run"
+    argv = ["run", "--base-url", cached_tiny_server.base_url, "--workload", "shared-prefix"]
+    argv += ["--num-prefixes", "1", "--prefix-len", "32", "--suffix-len", "8", "--output-len", "2"]
+    argv += [
+        "--concurrency",
+        "1,1",
+        "--n-requests",
+        "3",
+        "--fresh-prefix-cache",
+        "--quiet",
+        "--out",
+        str(out),
+    ]
+    assert main(argv) == 0
+    levels = json.loads((out / "run.json").read_text())["levels"]
+    assert [level["seed"] for level in levels] == [level_seed(0, 0), level_seed(0, 1)]
+    for level in levels:  # from an empty cache: the first request computes the prefix, two find it
+        assert level["prefix_cache_reset"] is True
+        assert level["prefix_cache_hits"] == 2 * 32 and level["prefix_cache_queries"] == 3 * 40

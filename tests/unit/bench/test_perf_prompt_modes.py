@@ -155,3 +155,18 @@ def test_the_report_draws_text_and_token_ids_apart(tmp_path):
 
     page = Path(write_report([summary("greedy"), summary("text")], tmp_path / "r.html")).read_text()
     assert "<h2>Greedy</h2>" in page and "<h2>Greedy, text prompts</h2>" in page
+
+
+def test_compare_notes_a_text_result_held_to_a_token_id_one(tmp_path):
+    from bench.compare import compare_results
+
+    def summary(mode: str) -> Path:
+        level = {"concurrency": 4.0, "output_tok_s": 10.0, "failures": 0}
+        body = {"target": "engine", **sampling_header(mode), "open_loop": [], "closed_loop": [level]}
+        path = tmp_path / f"{mode}.json"
+        path.write_text(json.dumps(body))
+        return path
+
+    note = compare_results(summary("greedy"), summary("chat")).sampling_note
+    assert note is not None and "base is greedy, new is greedy, chat completions" in note
+    assert compare_results(summary("text"), summary("text")).sampling_note is None
