@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from dataclasses import dataclass
 
 import httpx
@@ -74,6 +75,23 @@ def read_counters(endpoint: Endpoint) -> CacheCounters | None:
     return parse_counters(response.text) if response.status_code == 200 else None
 
 
+def read_settled_counters(
+    endpoint: Endpoint, settle_s: float = 0.2, max_s: float = 3.0
+) -> CacheCounters | None:
+    """The counters once two reads `settle_s` apart agree (at most `max_s`): read right after a
+    level's last stream ends, a server that publishes its engine's figures after the step that sent
+    the last token (or on a timer) may not have counted the level's last lookups yet."""
+    last = read_counters(endpoint)
+    deadline = time.monotonic() + max_s
+    while last is not None and time.monotonic() < deadline:
+        time.sleep(settle_s)
+        now = read_counters(endpoint)
+        if now == last:
+            break
+        last = now
+    return last
+
+
 def reset_prefix_cache(endpoint: Endpoint) -> str:
     """`POST /reset_prefix_cache` at the server root: "" when it answered 200, else why not."""
     try:
@@ -126,9 +144,9 @@ def run_fresh_level(
     level began."""
     refused = reset_prefix_cache(endpoint)
     fresh = dataclasses.replace(workload, seed=level_seed(workload.seed, level))
-    before = read_counters(endpoint)
+    before = read_settled_counters(endpoint)
     result = run_closed_loop(endpoint, fresh, concurrency, load, clock_zero)
-    result.summary.update(hit_figures(before, read_counters(endpoint)), seed=fresh.seed)
+    result.summary.update(hit_figures(before, read_settled_counters(endpoint)), seed=fresh.seed)
     result.summary["prefix_cache_reset"] = not refused
     if refused:
         result.warnings.append(f"concurrency {concurrency}: the prefix cache was not reset: {refused}")

@@ -18,7 +18,7 @@ from typing import Any
 
 from bench.client import Endpoint
 from bench.metrics import RequestRow
-from bench.prefix import hit_figures, read_counters, run_fresh_level
+from bench.prefix import hit_figures, read_settled_counters, run_fresh_level
 from bench.probe import probe
 from bench.results import write_run
 from bench.runner import LevelResult, LoadConfig, SweepConfig, run_closed_loop, run_open_loop, run_sweep
@@ -65,9 +65,9 @@ def run_benchmark(config: RunConfig) -> dict[str, Any]:
     levels: list[LevelResult] = []
     run: dict[str, Any] = {}
     for rate in config.rates:
-        before = read_counters(config.endpoint)
+        before = read_settled_counters(config.endpoint)
         levels.append(run_open_loop(config.endpoint, config.workload, rate, config.load, clock_zero))
-        levels[-1].summary.update(hit_figures(before, read_counters(config.endpoint)))
+        levels[-1].summary.update(hit_figures(before, read_settled_counters(config.endpoint)))
         _print_level(levels[-1], config.load.progress)
     if config.sweep is not None:
         swept = run_sweep(config.endpoint, config.workload, config.load, config.sweep, clock_zero)
@@ -82,9 +82,9 @@ def run_benchmark(config: RunConfig) -> dict[str, Any]:
                 config.endpoint, config.workload, concurrency, config.load, number, clock_zero
             )
         else:
-            before = read_counters(config.endpoint)
+            before = read_settled_counters(config.endpoint)
             level = run_closed_loop(config.endpoint, config.workload, concurrency, config.load, clock_zero)
-            level.summary.update(hit_figures(before, read_counters(config.endpoint)))
+            level.summary.update(hit_figures(before, read_settled_counters(config.endpoint)))
         levels.append(level)
         _print_level(levels[-1], config.load.progress)
     rows: list[RequestRow] = [row for level in levels for row in level.rows]

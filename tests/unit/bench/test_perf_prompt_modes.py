@@ -22,7 +22,6 @@ from bench.trials import case_mode, merge_summaries, sampling_header, summary_na
 from bench.workload import SEED_MIX_OUTPUT_LENS
 
 TEXT_TITLE = "engine, text prompts"
-CHAT_TITLE = "engine, chat completions"
 
 
 def tier(url: str, out: Path, model: Path, profile: str, *args: str, env: dict[str, str] | None = None):
@@ -87,28 +86,20 @@ def test_a_text_budget_section_holds_the_text_figures(recording_fake_server, tin
     assert "(budget >= 0.83x) FAILS" in check, check
 
 
-def test_the_chat_mode_sends_messages_and_names_its_missing_budget_section(
-    recording_fake_server,  # noqa: F811
-    tiny_model_dir,
-    tmp_path,
-):
-    """The short profile's chat case at 1 in flight (10 s against the fake server), held to a vLLM chat
-    reference with no [vllm.chat] budgets: each check skipped by name, then the case."""
-    url, bodies = recording_fake_server
-    bodies.clear()
-    stored = reference(tmp_path / "vllm-chat.json", "vllm", "chat", 100.0, 1.0)
-    run = tier(
-        url, tmp_path / "out", tiny_model_dir, "short", "-k", "chat-1-engine", "--baseline", str(stored)
-    )
-    assert run.returncode == 0, run.stdout[-2000:]
-    sent = workload_bodies(bodies)
-    assert sent and all("prompt" not in b and b["messages"][0]["role"] == "user" for b in sent)
-    assert all(isinstance(b["messages"][0]["content"], str) for b in sent)
-    summary = json.loads((tmp_path / "out" / "engine-seed-mix-chat.json").read_text())
-    assert (summary["mode"], summary["api"]) == ("chat", "chat")
-    lines = sections(run.stdout)[CHAT_TITLE]
-    assert any("concurrency 1 output_tok_s: skipped" in line and "[vllm.chat]" in line for line in lines)
-    assert "1 skipped" in run.stdout
+def test_the_gpu_profiles_run_text_and_chat_at_every_closed_loop_level():
+    """Collected only (a chat run goes through the same machinery as the text run above, its body
+    and stream tested in test_bench_chat.py): the short profile's prompt-mode cases."""
+    done = run_perf_tier(["--collect-only", "--profile", "short", "--model", "tiny"], timeout_s=60)
+    assert done.returncode == 0, done.stdout[-2000:]
+    names = [line.split("::")[1] for line in done.stdout.splitlines() if "::" in line]
+    prompt_cases = [name for name in names if "[text-" in name or "[chat-" in name]
+    assert prompt_cases == [
+        "test_closed_loop[text-1-engine]",
+        "test_closed_loop[text-128-engine]",
+        "test_closed_loop[chat-1-engine]",
+        "test_closed_loop[chat-128-engine]",
+    ]
+    assert not [name for name in names if name.startswith(("test_offline[text", "test_offline[chat"))]
 
 
 # -- the support code ------------------------------------------------------------------------------
