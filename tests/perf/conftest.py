@@ -3,7 +3,8 @@
 `pytest -m perf` measures each target (`--target engine|vllm|both`; both = vLLM first, then the
 engine, on the same machine) with bench's seed-mix workload, in each mode the profile runs (the
 sampling modes, greedy and sampled, and the prompt modes, text and chat: the `mode` parameter of every
-case, `-k sampled` selects one). Each target's
+case, `-k sampled` selects one), and its prefix-cache modes against a server of its own with the cache
+on (`cached_server`, after every other case of the target). Each target's
 offline cases run first, in a child process (`bench offline`), before its server starts; then a session
 fixture starts the target's server once (or uses one already running: `--server-url`, or
 `--server-info` from `python -m bench serve`), warms it up in every mode it will serve, and always stops
