@@ -73,6 +73,36 @@ def _add_sampling_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--top-p", type=float, default=1.0, help="nucleus; 1.0 (default) keeps every token")
 
 
+WORKLOADS = ["seed-mix", "fixed", "jsonl", "shared-prefix", "multi-turn"]
+
+
+def _add_prefix_workload_arguments(group: argparse._ArgumentGroup) -> None:
+    """The shared-prefix and multi-turn workloads' shape; the same flags for `run` and `offline`."""
+    defaults = WorkloadSpec()
+    group.add_argument(
+        "--num-prefixes", type=int, default=defaults.num_prefixes, help="shared-prefix: prefixes"
+    )
+    group.add_argument(
+        "--prefix-len",
+        type=int,
+        default=defaults.prefix_len,
+        help="shared-prefix: tokens of each prefix; multi-turn: of each conversation's first message",
+    )
+    group.add_argument(
+        "--suffix-len",
+        type=int,
+        default=defaults.suffix_len,
+        help="shared-prefix: tokens after the prefix; multi-turn: of each later user message",
+    )
+    group.add_argument("--turns", type=int, default=defaults.turns, help="multi-turn: turns")
+    group.add_argument(
+        "--conversations",
+        type=int,
+        default=defaults.conversations,
+        help="multi-turn: conversations interleaved (at least the requests in flight)",
+    )
+
+
 def _token_range(text: str) -> tuple[int, int]:
     low, _, high = text.partition(",")
     try:
@@ -123,29 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=128,
         help="fixed, shared-prefix: tokens to generate; multi-turn: each recorded reply's length and budget",
     )
-    spec_defaults = WorkloadSpec()
-    workload.add_argument(
-        "--num-prefixes", type=int, default=spec_defaults.num_prefixes, help="shared-prefix: prefixes"
-    )
-    workload.add_argument(
-        "--prefix-len",
-        type=int,
-        default=spec_defaults.prefix_len,
-        help="shared-prefix: tokens of each prefix; multi-turn: of each conversation's first message",
-    )
-    workload.add_argument(
-        "--suffix-len",
-        type=int,
-        default=spec_defaults.suffix_len,
-        help="shared-prefix: tokens after the prefix; multi-turn: of each later user message",
-    )
-    workload.add_argument("--turns", type=int, default=spec_defaults.turns, help="multi-turn: turns")
-    workload.add_argument(
-        "--conversations",
-        type=int,
-        default=spec_defaults.conversations,
-        help="multi-turn: conversations interleaved (at least the requests in flight)",
-    )
+    _add_prefix_workload_arguments(workload)
     workload.add_argument("--dataset", help="jsonl: file of {prompt, max_tokens} or ShareGPT conversations")
     workload.add_argument(
         "--token-range", type=_token_range, default=(1000, 30000), help="prompt token ids in [LOW,HIGH)"
@@ -326,9 +334,15 @@ def build_parser() -> argparse.ArgumentParser:
         "max_num_batched_tokens=16384 or max_num_seqs=512; recorded in run.json with the options in force",
     )
     offline_workload = offline.add_argument_group("workload")
-    offline_workload.add_argument("--workload", choices=["seed-mix", "fixed", "jsonl"], default="seed-mix")
+    offline_workload.add_argument("--workload", choices=WORKLOADS, default="seed-mix")
     offline_workload.add_argument("--input-len", type=int, default=128, help="fixed: prompt tokens")
-    offline_workload.add_argument("--output-len", type=int, default=128, help="fixed: tokens to generate")
+    offline_workload.add_argument(
+        "--output-len",
+        type=int,
+        default=128,
+        help="fixed, shared-prefix: tokens to generate; multi-turn: each recorded reply's length and budget",
+    )
+    _add_prefix_workload_arguments(offline_workload)
     offline_workload.add_argument(
         "--dataset", help="jsonl: file of {prompt, max_tokens} or ShareGPT conversations"
     )
@@ -443,6 +457,11 @@ def command_offline(args: argparse.Namespace, parser: argparse.ArgumentParser) -
                 str(Path(args.dataset).resolve()) if args.dataset else None,  # the worker runs elsewhere
                 args.temperature,
                 args.top_p,
+                num_prefixes=args.num_prefixes,
+                prefix_len=args.prefix_len,
+                suffix_len=args.suffix_len,
+                turns=args.turns,
+                conversations=args.conversations,
             ),
             load=OfflineLoad(
                 n_requests=args.n_requests,

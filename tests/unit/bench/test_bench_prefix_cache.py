@@ -241,3 +241,46 @@ def test_bench_run_measures_fresh_levels_and_their_hit_rates(cached_tiny_server,
     for level in levels:  # from an empty cache: the first request computes the prefix, two find it
         assert level["prefix_cache_reset"] is True
         assert level["prefix_cache_hits"] == 2 * 32 and level["prefix_cache_queries"] == 3 * 40
+
+
+def test_bench_offline_sends_a_shared_prefix_workload_to_the_engine_with_its_cache_on(
+    tiny_model_dir, tmp_path
+):
+    """`bench offline --workload shared-prefix --option enable_prefix_caching=true`, one request at a
+    time: the engine's own counters (in run.json's worker description, since its start) find each
+    prefix computed once and shared after. (Requests added at once and admitted in one step share
+    nothing: no block of theirs is computed when they are looked up.)"""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "offline"
+    args = [
+        "--target",
+        "engine",
+        "--model",
+        str(tiny_model_dir),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+    ]
+    args += ["--workload", "shared-prefix", "--num-prefixes", "2", "--prefix-len", "64", "--suffix-len", "16"]
+    args += ["--output-len", "4", "--n-requests", "0", "--concurrency", "1", "--duration", "3"]
+    args += ["--warmup", "0", "--single-tokens", "0"]
+    args += ["--prefill-prompts", "0", "--option", "enable_prefix_caching=true", "--out", str(out)]
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "offline", *args],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[3],
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    run = json.loads((out / "run.json").read_text())
+    assert run["config"]["workload"]["kind"] == "shared-prefix"
+    cache = run["worker"]["target"]["prefix_cache"]
+    sent, left = divmod(cache["queries"], 80)
+    assert left == 0 and sent >= run["offline"]["closed-1"]["completed"] >= 3
+    assert (sent - 2) * 64 <= cache["hits"] <= sent * 64  # each prefix computed once, then found
