@@ -45,7 +45,8 @@ class RequestRow:
 
     `scheduled_s` is when the request was due (open loop: its arrival time; closed loop: when a slot
     freed), `sent_s` when the client actually started it, `first_token_s` when the first streamed chunk
-    carrying a choice arrived (even with empty text), `done_s` when the stream ended or failed.
+    carrying a choice arrived (even with empty text; in a chat stream the first with content, see
+    bench.client.is_arrival), `done_s` when the stream ended or failed.
     """
 
     target: str
