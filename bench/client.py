@@ -71,12 +71,16 @@ def request_path(request: Request) -> str:
 def request_body(model: str, request: Request) -> dict[str, object]:
     """The body both servers get: the workload's sampling (greedy unless it says otherwise), EOS
     ignored so every request generates its whole budget. A chat request carries its prompt as one
-    user message (`max_tokens`, which both servers read as chat's max_completion_tokens)."""
-    if request.api == "chat":
+    user message, or its conversation so far (`max_tokens`, which both servers read as chat's
+    max_completion_tokens)."""
+    if request.api == "chat" and request.messages:  # a conversation so far (multi-turn)
+        messages = [{"role": role, "content": content} for role, content in request.messages]
+        prompt: dict[str, object] = {"messages": messages}
+    elif request.api == "chat":
         text = request.prompt if isinstance(request.prompt, str) else None
         if text is None:
             raise ValueError("a chat request's prompt is text (WorkloadSpec sends text for the chat API)")
-        prompt: dict[str, object] = {"messages": [{"role": "user", "content": text}]}
+        prompt = {"messages": [{"role": "user", "content": text}]}
     else:
         prompt = {"prompt": request.prompt}
     return {

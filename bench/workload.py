@@ -89,10 +89,11 @@ class WorkloadSpec:
         if self.api not in ("completions", "chat"):
             raise ValueError(f"api must be completions or chat, got {self.api!r}")
         if self.kind in PREFIX_KINDS:
-            if self.sends_text:
+            if self.prompt_format == "text" or (self.api == "chat" and self.kind == "shared-prefix"):
                 raise ValueError(
-                    f"the {self.kind} workload sends token ids to /v1/completions: a prefix shared in "
-                    "token ids is shared exactly, text re-tokenized at a join need not be"
+                    f"the {self.kind} workload sends token ids to /v1/completions (multi-turn also chat "
+                    "messages): a prefix shared in token ids is shared exactly, text re-tokenized at a "
+                    "join need not be"
                 )
             sizes = {"prefix_len": self.prefix_len, "suffix_len": self.suffix_len}
             sizes |= {"output_len": self.output_len, "num_prefixes": self.num_prefixes}
@@ -133,6 +134,9 @@ class Request:
     temperature: float = 0.0  # the workload's sampling (WorkloadSpec)
     top_p: float = 1.0
     api: Api = "completions"
+    # A chat conversation so far, (role, content) each, when the request is more than one message
+    # (multi-turn over the chat API); `prompt` is then its last user message.
+    messages: tuple[tuple[str, str], ...] = ()
 
 
 def make_request(spec: WorkloadSpec, index: int) -> Request:
@@ -204,6 +208,8 @@ def _turn_request(spec: WorkloadSpec, index: int) -> Request:
     earlier turn the recorded reply (output_len ids) and the next user message (suffix_len ids). The
     replies are part of the workload, not what the server generated, so every server receives the same
     requests and their cache hit rates can be compared; each turn's budget is a reply's length."""
+    if spec.api == "chat":
+        return _chat_turn_request(spec, index)
     conversation, turn = conversation_turn(spec, index)
     ids = _ids(spec, [_CONVERSATION_STREAM, conversation, 0, 0], spec.prefix_len)
     for k in range(1, turn + 1):
@@ -211,6 +217,48 @@ def _turn_request(spec: WorkloadSpec, index: int) -> Request:
         ids += _ids(spec, [_CONVERSATION_STREAM, conversation, k, 0], spec.suffix_len)  # user k
     prompt_len = spec.prefix_len + turn * (spec.output_len + spec.suffix_len)
     return Request(index, ids, prompt_len, spec.output_len, spec.temperature, spec.top_p)
+
+
+@lru_cache(maxsize=1 << 14)
+def _chat_turn_request(spec: WorkloadSpec, index: int) -> Request:
+    """Turn t of a recorded conversation over the chat API: the same parts as the token-id replay,
+    each made text of its length with the model's tokenizer (bench.prompts), sent as alternating user
+    and assistant messages; each turn's messages extend the turn before's, so the server's templated
+    prompt of a turn begins with the one before it. `prompt_len` is what the tokenizer makes of the
+    templated conversation (the parts' tokens alone without a chat template)."""
+    from bench.prompts import load_tokenizer
+
+    assert spec.tokenizer is not None
+    conversation, turn = conversation_turn(spec, index)
+    messages = [("user", _part_text(spec, conversation, 0, 0, spec.prefix_len))]
+    for k in range(1, turn + 1):
+        messages.append(("assistant", _part_text(spec, conversation, k, 1, spec.output_len)))
+        messages.append(("user", _part_text(spec, conversation, k, 0, spec.suffix_len)))
+    tokenizer = load_tokenizer(spec.tokenizer)
+    if getattr(tokenizer, "chat_template", None):
+        rendered = tokenizer.apply_chat_template(
+            [{"role": role, "content": text} for role, text in messages],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        prompt_len = len(tokenizer.encode(rendered, add_special_tokens=False))
+    else:
+        prompt_len = spec.prefix_len + turn * (spec.output_len + spec.suffix_len)
+    last = messages[-1][1]
+    return Request(
+        index, last, prompt_len, spec.output_len, spec.temperature, spec.top_p, "chat", tuple(messages)
+    )
+
+
+@lru_cache(maxsize=1 << 14)
+def _part_text(spec: WorkloadSpec, conversation: int, turn: int, role: int, length: int) -> str:
+    """One message of a chat replay: the token-id replay's ids for it, made text of their length."""
+    from bench.prompts import load_tokenizer, text_prompt
+
+    assert spec.tokenizer is not None
+    rng = np.random.default_rng([spec.seed, _CONVERSATION_STREAM, conversation, turn, role])
+    ids = rng.integers(spec.token_range[0], spec.token_range[1], size=length).tolist()
+    return text_prompt(load_tokenizer(spec.tokenizer), ids, length, rng, spec.token_range).text
 
 
 @lru_cache(maxsize=1 << 14)

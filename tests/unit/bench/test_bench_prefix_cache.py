@@ -284,3 +284,44 @@ def test_bench_offline_sends_a_shared_prefix_workload_to_the_engine_with_its_cac
     sent, left = divmod(cache["queries"], 80)
     assert left == 0 and sent >= run["offline"]["closed-1"]["completed"] >= 3
     assert (sent - 2) * 64 <= cache["hits"] <= sent * 64  # each prefix computed once, then found
+
+
+def test_a_chat_replay_extends_the_conversation_a_turn_at_a_time(tiny_model_dir):
+    from bench.client import request_body
+    from bench.prompts import load_tokenizer
+
+    spec = turns(api="chat", tokenizer=str(tiny_model_dir))
+    by_turn = {conversation_turn(spec, i): make_request(spec, i) for i in range(6)}
+    for conversation in (0, 1):
+        first, second, third = (by_turn[conversation, t] for t in range(3))
+        assert [role for role, _ in third.messages] == ["user", "assistant", "user", "assistant", "user"]
+        assert second.messages[:1] == first.messages and third.messages[:3] == second.messages
+        assert first.prompt_len < second.prompt_len < third.prompt_len
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    request = by_turn[1, 2]
+    messages = [{"role": role, "content": text} for role, text in request.messages]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert request.prompt_len == len(tokenizer.encode(rendered, add_special_tokens=False))
+    assert request_body("m", request)["messages"] == messages
+    assert [len(tokenizer.encode(t, add_special_tokens=False)) for _, t in request.messages] == [
+        30,
+        7,
+        5,
+        7,
+        5,
+    ]
+    with pytest.raises(ValueError, match="token ids"):
+        shared(api="chat", tokenizer=str(tiny_model_dir))
+
+
+def test_a_chat_replay_hits_its_earlier_turns_and_is_counted_at_its_length(
+    cached_tiny_server, tiny_model_dir
+):
+    workload = turns(prefix_len=48, suffix_len=16, output_len=16, api="chat", tokenizer=str(tiny_model_dir))
+    level = run_fresh_level(
+        cached_tiny_server, workload, 1, LoadConfig(n_requests=6, progress=False), level=3
+    )
+    assert level.summary["failures"] == 0
+    assert level.summary["prompt_tokens_mismatched"] == 0
+    # each later turn finds at least the blocks of the first message cached
+    assert level.summary["prefix_cache_hits"] >= 4 * 48
