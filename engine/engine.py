@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,13 +19,14 @@ from transformers import AutoTokenizer
 
 from engine.block_allocator import BlockAllocator
 from engine.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
-from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
+from engine.output_processor import OutputProcessor, RequestOutput, ended_by_text
 from engine.runner import CPU_DEFAULT_KV_CACHE_MEMORY, ModelRunner, PendingTokens, RunnerConfig
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 from engine.step_timing import StepTimer
+from engine.validation import RequestValidator
 
 logger = logging.getLogger(__name__)
 
@@ -35,44 +36,6 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 # qwen2.5-1.5b/engine-options-2026-12-01/). A token budget smaller than this caps it instead, so that
 # every running sequence can still decode in one step.
 DEFAULT_MAX_NUM_SEQS = 1024
-
-
-@dataclass
-class RequestOutput:
-    """A request's progress after a step: the delta since the last output and the totals so far."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    new_token_ids: list[int]
-    text: str
-    new_text: str
-    finished: bool
-    finish_reason: str | None = None  # "stop", "length" or "abort"
-    # The sequence's output list (append-only) and how much of it this output covers: the full list is
-    # copied only when read, so a streaming consumer pays per new token, not per token so far.
-    _output_ref: list[int] = field(default_factory=list, repr=False)
-    _num_output_tokens: int = 0
-
-    @property
-    def token_ids(self) -> list[int]:
-        """All tokens generated so far."""
-        return self._output_ref[: self._num_output_tokens]
-
-    def followed_by(self, later: RequestOutput) -> RequestOutput:
-        """This output and a later one of the same request as one: both deltas, the later totals."""
-        if later.request_id != self.request_id:
-            raise ValueError(f"outputs of {self.request_id} and {later.request_id} are not one request's")
-        return RequestOutput(
-            request_id=later.request_id,
-            prompt_token_ids=later.prompt_token_ids,
-            new_token_ids=self.new_token_ids + later.new_token_ids,
-            text=later.text,
-            new_text=self.new_text + later.new_text,
-            finished=later.finished,
-            finish_reason=later.finish_reason,
-            _output_ref=later._output_ref,
-            _num_output_tokens=later._num_output_tokens,
-        )
 
 
 @dataclass(frozen=True)
@@ -98,9 +61,7 @@ class EngineStats:
 @dataclass
 class _RequestState:
     seq: Sequence
-    detokenizer: IncrementalDetokenizer
-    num_sent_tokens: int = 0
-    num_sent_chars: int = 0
+    num_sent_tokens: int = 0  # output tokens already in a RequestOutput
 
 
 def resolve_device(device: str) -> torch.device:
@@ -132,7 +93,10 @@ def resolve_dtype(dtype: str, config_dtype: str, device: torch.device) -> torch.
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs) -> None:
+    """`detokenize=False` for an engine core whose API processes turn tokens into text: its outputs
+    then carry token ids only and stop strings are left to the caller (`OutputProcessor`)."""
+
+    def __init__(self, args: EngineArgs, detokenize: bool = True) -> None:
         self.args = args
         self.model_config = ModelConfig.from_dir(args.model)
         self.device = resolve_device(args.device)
@@ -152,6 +116,7 @@ class LLMEngine:
             )
         torch.manual_seed(args.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(args.model)
+        self.validator = RequestValidator(self.tokenizer, self.model_config.vocab_size, self.max_model_len)
         self.runner = ModelRunner(
             self.model_config,
             args.model,
@@ -184,6 +149,7 @@ class LLMEngine:
         self.allocator = BlockAllocator(num_blocks, args.block_size)
         self.scheduler = Scheduler(self.scheduler_config, self.allocator, self.model_config.eos_token_ids)
         self._requests: dict[str, _RequestState] = {}
+        self.outputs = OutputProcessor(self.tokenizer, detokenize)
         self._seq_ids = itertools.count()
         # The step on the GPU: its tokens, outputs and scheduler commit come with the next step() call.
         self._in_flight: tuple[SchedulerOutput, PendingTokens] | None = None
@@ -213,29 +179,7 @@ class LLMEngine:
     # -- requests --------------------------------------------------------------------------------
     def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """Tokenize and check a request; raises InvalidRequestError naming the field. Thread-safe."""
-        params.validate()
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt is empty", "prompt")
-            token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        elif isinstance(prompt, list | tuple) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
-            token_ids = list(prompt)
-        else:
-            raise InvalidRequestError("prompt must be a string or a list of token ids", "prompt")
-        if not token_ids:
-            raise InvalidRequestError("prompt is empty", "prompt")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "prompt")
-        if len(token_ids) + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context of {self.max_model_len} tokens",
-                "max_tokens" if len(token_ids) < self.max_model_len else "prompt",
-            )
-        return token_ids
+        return self.validator.validate(prompt, params)
 
     def add_request(
         self,
@@ -249,9 +193,8 @@ class LLMEngine:
         token_ids = self.validate(prompt, params)
         seq = Sequence(next(self._seq_ids), request_id, token_ids, params, arrival_time or time.monotonic())
         self.scheduler.add(seq)
-        self._requests[request_id] = _RequestState(
-            seq, IncrementalDetokenizer(self.tokenizer, params.stop_strings)
-        )
+        self._requests[request_id] = _RequestState(seq)
+        self.outputs.add(request_id, token_ids, params)
 
     def abort(self, request_id: str) -> bool:
         """End a request now and give its blocks back; False if it is unknown or already done."""
@@ -260,6 +203,7 @@ class LLMEngine:
             return False
         self.scheduler.abort(request_id)
         self.runner.release(state.seq.seq_id)
+        self.outputs.discard(request_id)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -327,26 +271,13 @@ class LLMEngine:
             committed = len(seq.output_token_ids) - seq.num_pending
             new_ids = seq.output_token_ids[state.num_sent_tokens : committed]
             finished = seq.is_finished and not seq.num_pending
-            state.detokenizer.append(new_ids, final=finished)
-            if state.detokenizer.stopped and not seq.is_finished:
-                self.scheduler.finish(seq, "stop")  # drops the token of the step in flight
+            output = self.outputs.process(seq.request_id, new_ids, seq.finish_reason if finished else None)
+            if ended_by_text(output, seq.finish_reason if finished else None):
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, "stop")  # drops the token of the step in flight
                 finished = True
-            text = state.detokenizer.visible_text(finished)
-            outputs.append(
-                RequestOutput(
-                    request_id=seq.request_id,
-                    prompt_token_ids=seq.prompt_token_ids,
-                    new_token_ids=new_ids,
-                    text=text,
-                    new_text=text[state.num_sent_chars :],
-                    finished=finished,
-                    finish_reason=seq.finish_reason,
-                    _output_ref=seq.output_token_ids,
-                    _num_output_tokens=committed,
-                )
-            )
+            outputs.append(output)
             state.num_sent_tokens = committed
-            state.num_sent_chars = len(text)
             if finished:
                 del self._requests[seq.request_id]
                 self.runner.release(seq.seq_id)
