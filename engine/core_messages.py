@@ -1,0 +1,116 @@
+"""The messages between the engine core's process and the API processes, as msgspec structs.
+
+Typed msgpack, not pickle: a message decodes only into these types, costs microseconds, and a step's
+outputs for every request travel as one `StepOutputs` (arrays, not objects per token). Each API
+process holds one DEALER socket to the core's ROUTER socket, so the core knows which process sent a
+request and sends its outputs there alone.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from engine.sampling_params import SamplingParams
+
+
+# -- API process -> core ------------------------------------------------------------------------
+class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    """A validated request: its prompt is token ids, its parameters passed validation."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
+    """End these requests (a disconnect, a stop string found by the API process, a drain)."""
+
+    request_ids: list[str]
+
+
+class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache", array_like=True):
+    """Forget the cached prefix blocks; the core answers with a `CallResult` of the same call_id."""
+
+    call_id: int
+
+
+class Hello(msgspec.Struct, tag="hello", array_like=True):
+    """An API process's first message: the core sends it the stats at once, so its gauges start true."""
+
+
+class Goodbye(msgspec.Struct, tag="goodbye", array_like=True):
+    """The API process is going away: abort whatever it still has running."""
+
+
+CoreRequest = AddRequest | AbortRequests | ResetPrefixCache | Hello | Goodbye
+
+
+# -- core -> API process ------------------------------------------------------------------------
+class CoreStats(msgspec.Struct, array_like=True):
+    """The engine's gauges and counters after a step (`EngineStats` plus the preemption count)."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    kv_blocks_cached: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+class TokenDelta(msgspec.Struct, array_like=True):
+    """One request's new tokens in a step; finish_reason is set on its last delta."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+
+
+class RequestFailed(msgspec.Struct, array_like=True):
+    """A request the core refused (`invalid`: the caller's fault, a 400) or lost (`engine`: a 500)."""
+
+    request_id: str
+    kind: str  # "invalid" or "engine"
+    message: str
+    param: str | None = None
+
+
+class StepOutputs(msgspec.Struct, tag="step", array_like=True):
+    """Everything one API process hears after a core iteration. step_seconds is None when the core
+    did not step (it only took messages, e.g. aborts, whose effect the stats show)."""
+
+    deltas: list[TokenDelta]
+    failures: list[RequestFailed]
+    stats: CoreStats
+    step_seconds: float | None = None
+
+
+class CallResult(msgspec.Struct, tag="result", array_like=True):
+    call_id: int
+    value: int
+    stats: CoreStats
+    error: str | None = None
+
+
+CoreOutput = StepOutputs | CallResult
+
+
+class CoreInfo(msgspec.Struct):
+    """What the core tells its launcher once it is ready: enough for an API process to validate,
+    tokenize and describe the model without loading it."""
+
+    model: str
+    vocab_size: int
+    max_model_len: int
+    max_num_seqs: int
+    device: str  # "cuda:0", "cpu"
+    gpu_name: str | None
+    config: dict[str, object]
+    stats: CoreStats
+
+
+REQUEST_ENCODER = msgspec.msgpack.Encoder()
+REQUEST_DECODER = msgspec.msgpack.Decoder(CoreRequest)
+OUTPUT_DECODER = msgspec.msgpack.Decoder(CoreOutput)

@@ -1,0 +1,358 @@
+"""The engine core in a process of its own: the GPU, the scheduler, the KV cache and the step loop.
+
+The API processes (server/) validate, tokenize, detokenize and speak HTTP; the core only steps. It
+owns one ROUTER socket: each API process connects a DEALER socket, sends `CoreRequest`s and hears
+one `StepOutputs` per core iteration carrying every one of its requests' new token ids. While work
+exists the core takes whatever messages are waiting (without blocking) between steps; when idle it
+blocks on the socket, so an idle server burns no CPU (and CI's two cores are not spun away).
+
+`CoreProcess.launch(args)` starts it (multiprocessing spawn: CUDA cannot follow a fork) and waits for
+its `CoreInfo`. The core's life hangs on a pipe to its launcher (the lifeline): it exits when the
+launcher closes it (`shutdown`) or dies, however it dies (even SIGKILL closes the pipe), so a server
+leaves no core behind. Once serving it ignores SIGINT and SIGTERM: a Ctrl-C, or a SIGTERM sent to the
+whole process group (systemd, `kill -- -PGID`), must let the API process drain its requests first.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import shutil
+import signal
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from multiprocessing.process import BaseProcess
+
+import msgspec
+import zmq
+
+from engine.config import EngineArgs
+from engine.core_messages import (
+    REQUEST_DECODER,
+    AbortRequests,
+    AddRequest,
+    CallResult,
+    CoreInfo,
+    CoreRequest,
+    CoreStats,
+    Goodbye,
+    Hello,
+    RequestFailed,
+    ResetPrefixCache,
+    StepOutputs,
+    TokenDelta,
+)
+from engine.engine import LLMEngine
+from engine.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+class CoreStartupError(RuntimeError):
+    """The engine core could not start (a bad model folder or option, or it died loading)."""
+
+
+def core_stats(engine: LLMEngine) -> CoreStats:
+    stats = engine.stats()
+    return CoreStats(
+        stats.num_running,
+        stats.num_waiting,
+        stats.kv_blocks_used,
+        stats.kv_blocks_total,
+        stats.kv_blocks_cached,
+        stats.prefix_cache_queries,
+        stats.prefix_cache_hits,
+        engine.scheduler.num_preemptions,
+    )
+
+
+class EngineCore:
+    """The core's loop over one ROUTER socket; `run` returns once the lifeline (a pipe's end, or any
+    file descriptor) becomes readable: its other end was closed."""
+
+    def __init__(self, engine: LLMEngine, socket: zmq.Socket, lifeline: int | None = None) -> None:
+        self.engine = engine
+        self.socket = socket
+        self.lifeline = lifeline
+        self._poller = zmq.Poller()
+        self._poller.register(socket, zmq.POLLIN)
+        if lifeline is not None:
+            self._poller.register(lifeline, zmq.POLLIN)
+        self._stopping = False
+        self._owner: dict[str, bytes] = {}  # request id -> the API process (socket identity) it came from
+        self._clients: set[bytes] = set()
+        self._failures: defaultdict[bytes, list[RequestFailed]] = defaultdict(list)
+
+    def run(self) -> None:
+        engine = self.engine
+        while not self._stopping:
+            busy = engine.has_unfinished_requests()
+            took = self._take_messages(0 if busy else None)
+            if self._stopping:
+                break
+            if engine.has_unfinished_requests():
+                self._step()
+            elif took:
+                self._send_all(None, {})  # e.g. aborts: the stats show their freed blocks
+
+    # -- messages in -----------------------------------------------------------------------------
+    def _take_messages(self, timeout_ms: int | None) -> int:
+        """Handle every waiting message (waiting up to timeout_ms for the first, or forever when None);
+        returns how many. A closed lifeline stops the loop."""
+        events = dict(self._poller.poll(timeout_ms))
+        if self.lifeline is not None and self.lifeline in events:
+            logger.info("the engine core's launcher closed its lifeline: exiting")
+            self._stopping = True
+            return 0
+        if self.socket not in events:
+            return 0
+        count = 0
+        while True:
+            try:
+                identity, payload = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return count
+            count += 1
+            try:
+                message = REQUEST_DECODER.decode(payload.buffer)
+            except msgspec.DecodeError:
+                logger.exception("an undecodable message reached the engine core; dropped")
+                continue
+            self._handle(bytes(identity.buffer), message)
+
+    def _handle(self, client: bytes, message: CoreRequest) -> None:
+        engine = self.engine
+        if isinstance(message, AddRequest):
+            self._clients.add(client)
+            try:
+                engine.add_request(
+                    message.request_id, message.prompt_token_ids, message.params, message.arrival_time
+                )
+            except InvalidRequestError as error:
+                self._failures[client].append(
+                    RequestFailed(message.request_id, "invalid", error.message, error.param)
+                )
+                return
+            except Exception as error:  # a bad request fails alone; the loop goes on
+                logger.exception("add_request failed for %s", message.request_id)
+                self._failures[client].append(
+                    RequestFailed(
+                        message.request_id,
+                        "engine",
+                        f"the engine could not take the request: {type(error).__name__}",
+                    )
+                )
+                return
+            self._owner[message.request_id] = client
+        elif isinstance(message, AbortRequests):
+            for request_id in message.request_ids:
+                if self._owner.pop(request_id, None) is not None:
+                    self._abort(request_id)
+        elif isinstance(message, ResetPrefixCache):
+            try:
+                result = CallResult(message.call_id, engine.reset_prefix_cache(), core_stats(engine))
+            except Exception as error:
+                logger.exception("resetting the prefix cache failed")
+                result = CallResult(
+                    message.call_id, 0, core_stats(engine), f"reset failed: {type(error).__name__}"
+                )
+            self.socket.send_multipart([client, _ENCODER.encode(result)])
+        elif isinstance(message, Hello):
+            self._clients.add(client)
+        elif isinstance(message, Goodbye):
+            for request_id in [r for r, c in self._owner.items() if c == client]:
+                del self._owner[request_id]
+                self._abort(request_id)
+            self._clients.discard(client)
+            self._failures.pop(client, None)
+
+    def _abort(self, request_id: str) -> None:
+        try:
+            self.engine.abort(request_id)
+        except Exception:
+            logger.exception("abort failed for %s", request_id)
+
+    # -- a step and its outputs ------------------------------------------------------------------
+    def _step(self) -> None:
+        start = time.perf_counter()
+        try:
+            outputs = self.engine.step()
+        except Exception:
+            # The engine's state after a failed step is unknown: fail everything in it, keep serving.
+            logger.exception("engine step failed; failing %d request(s)", len(self._owner))
+            for request_id, client in self._owner.items():
+                self._abort(request_id)
+                self._failures[client].append(
+                    RequestFailed(request_id, "engine", "the engine failed while generating")
+                )
+            self._owner.clear()
+            self._send_all(None, {})
+            return
+        seconds = time.perf_counter() - start
+        deltas: defaultdict[bytes, list[TokenDelta]] = defaultdict(list)
+        owner = self._owner
+        for output in outputs:
+            owned = owner.get(output.request_id)
+            if owned is None:  # aborted meanwhile
+                continue
+            client = owned
+            if output.finished:
+                del owner[output.request_id]
+                deltas[client].append(
+                    TokenDelta(output.request_id, output.new_token_ids, output.finish_reason)
+                )
+            else:
+                deltas[client].append(TokenDelta(output.request_id, output.new_token_ids))
+        self._send_all(seconds, deltas)
+
+    def _send_all(self, step_seconds: float | None, deltas: dict[bytes, list[TokenDelta]]) -> None:
+        """One message to every known API process: its deltas and failures, and everyone's stats."""
+        stats = core_stats(self.engine)
+        for client in self._clients:
+            message = StepOutputs(deltas.get(client, []), self._failures.pop(client, []), stats, step_seconds)
+            self.socket.send_multipart([client, _ENCODER.encode(message)], copy=False)
+
+
+# -- the process ----------------------------------------------------------------------------------
+def run_engine_core(
+    args: EngineArgs,
+    address: str,
+    lifeline: multiprocessing.connection.Connection,
+    setup: Callable[[], None] | None = None,
+) -> None:
+    """The core process's main: build the engine, report `CoreInfo` (or the error) on the lifeline,
+    then loop until the lifeline closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
+    try:
+        if setup is not None:
+            setup()
+        engine = LLMEngine(args, detokenize=False)
+    except Exception as error:
+        lifeline.send(("error", f"{type(error).__name__}: {error}"))
+        raise SystemExit(2) from error
+    context = zmq.Context()
+    socket = context.socket(zmq.ROUTER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.bind(address)
+    core = EngineCore(engine, socket, lifeline.fileno())
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # serving: the API process decides when to stop
+    lifeline.send(("ready", _ENCODER.encode(core_info(engine))))
+    try:
+        core.run()
+    finally:
+        socket.close()
+        context.term()
+
+
+def core_info(engine: LLMEngine) -> CoreInfo:
+    import torch
+
+    device = engine.device
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        device_name, gpu = f"cuda:{index}", torch.cuda.get_device_name(index)
+    else:
+        device_name, gpu = device.type, None
+    return CoreInfo(
+        model=engine.args.model,
+        vocab_size=engine.model_config.vocab_size,
+        max_model_len=engine.max_model_len,
+        max_num_seqs=engine.max_num_seqs,
+        device=device_name,
+        gpu_name=gpu,
+        config=engine.config_dict(),
+        stats=core_stats(engine),
+    )
+
+
+class CoreProcess:
+    """A running engine core: its process, the address API processes connect to, its `CoreInfo`."""
+
+    def __init__(
+        self,
+        process: BaseProcess,
+        address: str,
+        info: CoreInfo,
+        lifeline: multiprocessing.connection.Connection,
+        ipc_dir: str,
+    ) -> None:
+        self.process = process
+        self.address = address
+        self.info = info
+        self._lifeline = lifeline
+        self._ipc_dir = ipc_dir
+
+    @classmethod
+    def launch(
+        cls,
+        args: EngineArgs,
+        startup_timeout: float = 1800.0,
+        setup: Callable[[], None] | None = None,
+    ) -> CoreProcess:
+        """Start the core and wait until it serves; raises CoreStartupError naming what failed.
+        `setup` (a picklable, importable function) runs in the core before the engine is built."""
+        context = multiprocessing.get_context("spawn")
+        ipc_dir = tempfile.mkdtemp(prefix="paged-engine-")
+        address = f"ipc://{ipc_dir}/core"
+        ours, theirs = context.Pipe()
+        process = context.Process(
+            target=run_engine_core,
+            args=(args, address, theirs, setup),
+            name="engine-core",
+            daemon=True,
+        )
+        process.start()
+        theirs.close()
+        ready = multiprocessing.connection.wait([ours, process.sentinel], startup_timeout)
+        if ours in ready:
+            try:
+                kind, payload = ours.recv()
+            except EOFError:
+                kind, payload = "error", "it exited while starting"
+        elif ready:
+            kind, payload = "error", "it exited while starting"
+        else:
+            kind, payload = "error", f"not ready after {startup_timeout:.0f} s"
+        if kind != "ready":
+            ours.close()
+            _stop_process(process, 10.0)
+            shutil.rmtree(ipc_dir, ignore_errors=True)
+            raise CoreStartupError(f"the engine core did not start: {payload} (exit code {process.exitcode})")
+        return cls(process, address, msgspec.msgpack.decode(payload, type=CoreInfo), ours, ipc_dir)
+
+    @property
+    def sentinel(self) -> int:
+        """A file descriptor that becomes readable when the core process ends."""
+        return self.process.sentinel
+
+    def is_alive(self) -> bool:
+        return self.process.is_alive()
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.process.exitcode
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Close the lifeline (the core finishes its iteration and exits), SIGKILL after `timeout`
+        seconds; idempotent."""
+        self._lifeline.close()
+        self.process.join(timeout)
+        _stop_process(self.process, 0.0)
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+
+def _stop_process(process: BaseProcess, timeout: float) -> None:
+    """SIGTERM (honoured while the core is still starting), then SIGKILL."""
+    if process.is_alive() and timeout > 0:
+        process.terminate()
+        process.join(timeout)
+    if process.is_alive():
+        logger.warning("the engine core did not stop in %.0f s: killing it", timeout)
+        process.kill()
+        process.join(5.0)
