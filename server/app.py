@@ -1,13 +1,15 @@
-"""The FastAPI app: `create_app(engine, ...)` wraps an LLMEngine in OpenAI-compatible endpoints.
+"""The FastAPI app: `create_app(core, ...)` serves a running engine core in OpenAI-compatible endpoints.
 
-Handlers are thin: schema in (protocol.py), validated token ids and SamplingParams out to the engine
-thread (async_engine.py), outputs back as one JSON body or one SSE event per engine step. Errors take
+Handlers are thin: schema in (protocol.py), the chat template, tokenization and validation here, in
+the API process; token ids and SamplingParams out to the engine core's process (async_engine.py);
+outputs back, detokenized here, as one JSON body or one SSE event per engine step. Errors take
 OpenAI's shape (errors.py); /metrics renders metrics.py's registry.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -15,13 +17,15 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, Literal
 
-import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
+from transformers import AutoTokenizer
 
 import engine as engine_package
-from engine import InvalidRequestError, LLMEngine, RequestOutput, SamplingParams
+from engine import InvalidRequestError, RequestOutput, SamplingParams
+from engine.core_process import CoreProcess
+from engine.validation import RequestValidator
 from server.async_engine import AdmissionError, AsyncEngine, EngineLoopError, RequestStream
 from server.errors import (
     APIError,
@@ -115,12 +119,17 @@ async def _collect(stream: RequestStream) -> list[RequestOutput]:
 
 
 class _Server:
-    """The state the handlers share: the engine thread's handle, the served name, the metrics."""
+    """The state the handlers share: the validator, the engine core's handle, the served name, the
+    metrics."""
 
     def __init__(
-        self, engine: LLMEngine, model_name: str, async_engine: AsyncEngine, metrics: ServerMetrics
+        self,
+        validator: RequestValidator,
+        model_name: str,
+        async_engine: AsyncEngine,
+        metrics: ServerMetrics,
     ) -> None:
-        self.engine = engine
+        self.validator = validator
         self.model_name = model_name
         self.async_engine = async_engine
         self.metrics = metrics
@@ -143,7 +152,7 @@ class _Server:
     async def tokenize(
         self, prompts: list[str | list[int]], params: SamplingParams, param: str = "prompt"
     ) -> list[list[int]]:
-        """engine.validate each prompt (raises InvalidRequestError naming the field).
+        """Validate each prompt (raises InvalidRequestError naming the field).
 
         Token-id prompts are only checked (cheap) on the event loop; text goes to a worker thread so
         that tokenizing a long prompt does not hold up other clients' SSE writes.
@@ -152,8 +161,8 @@ class _Server:
             if isinstance(prompt, str):
                 _check_unicode(prompt, param)
         if all(isinstance(p, list) for p in prompts):
-            return [self.engine.validate(p, params) for p in prompts]
-        return await asyncio.to_thread(lambda: [self.engine.validate(p, params) for p in prompts])
+            return [self.validator.validate(p, params) for p in prompts]
+        return await asyncio.to_thread(lambda: [self.validator.validate(p, params) for p in prompts])
 
     def submit(self, request_id: str, token_lists: list[list[int]], params: SamplingParams) -> RequestStream:
         try:
@@ -244,24 +253,28 @@ async def _events(
 
 
 def create_app(
-    engine: LLMEngine,
+    core: CoreProcess,
     served_model_name: str | None = None,
     max_pending: int | None = None,
     shutdown_timeout: float = 30.0,
     api_key: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> FastAPI:
-    """An app serving `engine`; its lifespan starts the engine thread and drains it on shutdown.
+    """An app serving the engine `core` (started by its caller, who also stops it); its lifespan
+    connects to the core and on shutdown drains this app's requests and disconnects.
 
     With `api_key`, every `/v1/` route needs `Authorization: Bearer <api_key>` (guards.py).
     """
+    info = core.info
+    tokenizer = load_tokenizer(info.model)
+    validator = RequestValidator(tokenizer, info.vocab_size, info.max_model_len)
     metrics = ServerMetrics()
-    async_engine = AsyncEngine(engine, max_pending=max_pending, observer=metrics)
-    server = _Server(engine, served_model_name or engine.args.model, async_engine, metrics)
+    async_engine = AsyncEngine(core, tokenizer, max_pending=max_pending, observer=metrics)
+    server = _Server(validator, served_model_name or info.model, async_engine, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async_engine.start()
+        await async_engine.start()
         try:
             yield
         finally:
@@ -302,12 +315,12 @@ def create_app(
         server.check_model(body.model)
         body.check_supported()
         server.check_admission(1)
-        prompt = render_chat(engine.tokenizer, body.messages, body.add_generation_prompt)
+        prompt = render_chat(tokenizer, body.messages, body.add_generation_prompt)
         max_tokens = body.requested_max_tokens
         params = body.sampling_params(1 if max_tokens is None else max_tokens)
         [token_ids] = await server.tokenize([prompt], params, "messages")
         if max_tokens is None:  # as in vLLM: whatever the context leaves
-            params.max_tokens = engine.max_model_len - len(token_ids)
+            params.max_tokens = info.max_model_len - len(token_ids)
         return await server.run(
             request,
             "chat",
@@ -321,13 +334,13 @@ def create_app(
     @app.get("/v1/models")
     async def models() -> ModelList:
         return ModelList(
-            data=[ModelCard(id=server.model_name, root=engine.args.model, max_model_len=engine.max_model_len)]
+            data=[ModelCard(id=server.model_name, root=info.model, max_model_len=info.max_model_len)]
         )
 
     @app.get("/health")
     async def health() -> Response:
         if not async_engine.is_alive:
-            return error_response(503, "the engine loop is not running")
+            return error_response(503, "the engine core is not running")
         if not async_engine.accepting:
             return error_response(503, "the server is shutting down", headers={"Retry-After": "1"})
         return JSONResponse({"status": "ok"})
@@ -338,9 +351,9 @@ def create_app(
             "name": SERVER_NAME,
             "version": engine_package.__version__,
             "model": server.model_name,
-            "device": device_name(engine.device),
-            "gpu": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else None,
-            "config": engine.config_dict(),
+            "device": info.device,
+            "gpu": info.gpu_name,
+            "config": info.config,
         }
 
     @app.get("/metrics")
@@ -359,7 +372,7 @@ def create_app(
     return app
 
 
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
-    return device.type
+@functools.cache
+def load_tokenizer(model: str) -> Any:
+    """The model's tokenizer, loaded once per process (apps of one process share it: it is only read)."""
+    return AutoTokenizer.from_pretrained(model)

@@ -1,31 +1,52 @@
-"""The engine loop in its own thread, and the asyncio-side handle the HTTP handlers talk to.
+"""The API process's handle on the engine core: admission, requests out, outputs and text back in.
 
-Handlers call `AsyncEngine.add` (admission control, then an "add" command on a queue) and read the
-returned `RequestStream`. The loop thread owns the LLMEngine: it takes commands between steps, steps,
-and hands each step's outputs back to the event loop in one `call_soon_threadsafe` call.
+The engine core runs in its own process (engine/core_process.py) and sends bare token ids; this
+module, on the API process's event loop, owns one DEALER socket to it. `AsyncEngine.add` admits and
+sends a request and returns a `RequestStream`; a receiver task decodes the core's `StepOutputs`,
+turns token ids into text and applies stop strings (`OutputProcessor`, as the offline engine does),
+and routes each output to its stream. A stop string found here aborts the request in the core; an
+abort (disconnect, drain) ends the stream at once and tells the core. If the core process dies, every
+request still running fails with an error and `on_core_lost` is called.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import contextlib
+import itertools
 import logging
-import queue
-import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
-from engine import EngineStats, InvalidRequestError, LLMEngine, RequestOutput, SamplingParams
+import msgspec
+import zmq
+import zmq.asyncio
+
+from engine import EngineStats, InvalidRequestError, RequestOutput, SamplingParams
+from engine.core_messages import (
+    OUTPUT_DECODER,
+    AbortRequests,
+    AddRequest,
+    CallResult,
+    CoreRequest,
+    CoreStats,
+    Goodbye,
+    Hello,
+    ResetPrefixCache,
+    StepOutputs,
+)
+from engine.core_process import CoreProcess
+from engine.output_processor import OutputProcessor, ended_by_text
 
 logger = logging.getLogger(__name__)
 
+GOODBYE_LINGER_MS = 1000  # how long a closing API process gives its last messages to reach the core
+
 
 class EngineLoopError(RuntimeError):
-    """A request failed inside the engine loop (not the client's fault): answered as a 500."""
+    """A request failed inside the engine (not the client's fault): answered as a 500."""
 
 
 class AdmissionError(RuntimeError):
@@ -33,7 +54,7 @@ class AdmissionError(RuntimeError):
 
 
 class LoopObserver(Protocol):
-    """What the loop reports to, from its own thread (metrics.ServerMetrics implements it)."""
+    """What the engine's outputs are reported to (metrics.ServerMetrics implements it)."""
 
     def on_request_added(self, num_prompt_tokens: int) -> None: ...
 
@@ -44,42 +65,6 @@ class LoopObserver(Protocol):
     def on_request_finished(self, finish_reason: str, seconds_since_arrival: float) -> None: ...
 
     def on_stats(self, stats: EngineStats, num_preemptions: int) -> None: ...
-
-
-# -- commands, from the event loop to the engine thread ---------------------------------------
-@dataclass(frozen=True)
-class _Add:
-    request_id: str
-    token_ids: list[int]
-    params: SamplingParams
-    stream: RequestStream
-    index: int
-    arrival_time: float
-
-
-@dataclass(frozen=True)
-class _Abort:
-    request_id: str
-
-
-@dataclass(frozen=True)
-class _AbortAll:
-    pass
-
-
-@dataclass(frozen=True)
-class _Stop:
-    pass
-
-
-@dataclass(frozen=True)
-class _ResetPrefixCache:
-    done: concurrent.futures.Future[int]  # the number of cached blocks freed
-
-
-_Command = _Add | _Abort | _AbortAll | _Stop | _ResetPrefixCache
-# What the thread hands back per request: an output (its last one has finished=True) or an error.
-_Delivery = tuple["RequestStream", int, RequestOutput | Exception]
 
 
 @dataclass
@@ -147,102 +132,153 @@ class RequestStream:
             yield index, item
 
     def abort(self) -> None:
-        for index in list(self._unfinished):
-            self._owner._commands.put(_Abort(self.request_ids[index]))
+        if self._unfinished:
+            self._owner.abort([self.request_ids[index] for index in self._unfinished])
 
 
 @dataclass(frozen=True)
 class Snapshot:
-    """What the loop thread publishes after each step for /metrics (replaced whole, never mutated)."""
+    """The engine's latest figures for /metrics (replaced whole, never mutated)."""
 
     stats: EngineStats
     num_preemptions: int = 0
 
 
+def _engine_stats(stats: CoreStats) -> EngineStats:
+    return EngineStats(
+        stats.num_running,
+        stats.num_waiting,
+        stats.kv_blocks_used,
+        stats.kv_blocks_total,
+        stats.kv_blocks_cached,
+        stats.prefix_cache_queries,
+        stats.prefix_cache_hits,
+    )
+
+
 class AsyncEngine:
-    """Owns the engine thread; every public method runs on the event loop."""
+    """One API process's connection to the engine core; every public method runs on the event loop."""
 
     def __init__(
-        self, engine: LLMEngine, max_pending: int | None = None, observer: LoopObserver | None = None
+        self,
+        core: CoreProcess,
+        tokenizer: Any,
+        max_pending: int | None = None,
+        observer: LoopObserver | None = None,
     ) -> None:
-        self.engine = engine
+        self.core = core
         # Default: twice the sequences one step runs, so a full batch can wait behind the running one.
-        self.max_pending = max_pending if max_pending is not None else 2 * engine.max_num_seqs
+        self.max_pending = max_pending if max_pending is not None else 2 * core.info.max_num_seqs
         self.observer = observer
         self.accepting = True
-        self.snapshot = Snapshot(engine.stats(), engine.scheduler.num_preemptions)
-        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self.on_core_lost: Callable[[], None] | None = None  # called once if the core process dies
+        self.snapshot = Snapshot(_engine_stats(core.info.stats), core.info.stats.num_preemptions)
+        self._outputs = OutputProcessor(tokenizer)
+        self._in_flight: dict[str, _InFlight] = {}
+        self._calls: dict[int, asyncio.Future[int]] = {}
+        self._call_ids = itertools.count()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._context: zmq.asyncio.Context | None = None
+        self._socket: zmq.asyncio.Socket | None = None
+        self._receiver: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._num_pending = 0
+        self._core_lost = False
+        self._heard_from_core = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
 
-    # -- lifecycle (event loop) ------------------------------------------------------------------
-    def start(self) -> None:
+    # -- lifecycle ---------------------------------------------------------------------------------
+    async def start(self, timeout: float = 30.0) -> None:
+        """Connect to the core and wait for its first stats (its answer to `Hello`), so that /metrics
+        is true from the first request on; a core that is gone leaves the engine not alive."""
         self._loop = asyncio.get_running_loop()
         self._idle = asyncio.Event()  # bound to this loop
         self._idle.set()
         self.accepting = True
-        self._publish()  # /metrics holds the engine's figures from the start, not from its first step
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self._thread.start()
+        self._core_lost = not self.core.is_alive()
+        self._context = zmq.asyncio.Context()
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, GOODBYE_LINGER_MS)
+        self._socket.connect(self.core.address)
+        self._send(Hello())
+        self._publish(self.snapshot.stats, self.snapshot.num_preemptions)
+        self._heard_from_core = asyncio.Event()
+        self._receiver = asyncio.ensure_future(self._receive())
+        self._loop.add_reader(self.core.sentinel, self._core_exited)
+        heard = asyncio.ensure_future(self._heard_from_core.wait())
+        await asyncio.wait({heard, self._receiver}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if not heard.done():
+            heard.cancel()
+            logger.warning("the engine core did not answer within %.0f s", timeout)
 
     @property
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._socket is not None and not self._core_lost
 
     @property
     def num_pending(self) -> int:
-        return self._num_pending
+        return len(self._in_flight)
 
     async def drain(self, timeout: float) -> None:
         """Refuse new requests, give the accepted ones `timeout` seconds, then abort the rest."""
         self.accepting = False
-        if self._num_pending:
-            logger.info("draining: waiting up to %.1fs for %d request(s)", timeout, self._num_pending)
+        if self._in_flight:
+            logger.info("draining: waiting up to %.1fs for %d request(s)", timeout, len(self._in_flight))
             try:
                 await asyncio.wait_for(self._idle.wait(), timeout)
             except TimeoutError:
-                logger.warning("drain timeout: aborting %d request(s)", self._num_pending)
-                self._commands.put(_AbortAll())
-                try:
-                    await asyncio.wait_for(self._idle.wait(), 5.0)
-                except TimeoutError:
-                    logger.error("engine loop did not abort %d request(s) in time", self._num_pending)
+                logger.warning("drain timeout: aborting %d request(s)", len(self._in_flight))
+                self.abort(list(self._in_flight))
         logger.info("drained")
 
     async def stop(self) -> None:
-        """Stop the thread (aborting anything left); the LLMEngine can be driven again afterwards."""
+        """Close the connection; the core aborts whatever this process still had running."""
         self.accepting = False
-        if self._thread is None:
+        if self._socket is None:
             return
-        self._commands.put(_Stop())
-        await asyncio.to_thread(self._thread.join, 10.0)
-        self._thread = None
+        self._fail_all("the server stopped before the request finished")
+        if not self._core_lost:
+            self._send(Goodbye())
+        if self._loop is not None:
+            self._loop.remove_reader(self.core.sentinel)
+        if self._receiver is not None:
+            self._receiver.cancel()
+            await asyncio.gather(self._receiver, return_exceptions=True)
+        self._socket.close()
+        self._socket = None
+        if self._context is not None:
+            self._context.term()
+            self._context = None
 
     async def reset_prefix_cache(self) -> int:
         """Forget the engine's cached prefix blocks, between two steps; returns how many were freed.
-        Raises AdmissionError when the engine loop is not running."""
+        Raises AdmissionError when the engine core is not running."""
         if not self.is_alive:
-            raise AdmissionError("the engine loop is not running")
-        done: concurrent.futures.Future[int] = concurrent.futures.Future()
-        self._commands.put(_ResetPrefixCache(done))
-        return await asyncio.wrap_future(done)
+            raise AdmissionError("the engine core is not running")
+        call_id = next(self._call_ids)
+        done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = done
+        self._send(ResetPrefixCache(call_id))
+        return await done
 
-    # -- requests (event loop) -------------------------------------------------------------------
+    # -- requests ----------------------------------------------------------------------------------
     def add(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> RequestStream:
-        """Admit and queue len(prompts) engine requests (already validated); raises AdmissionError."""
+        """Admit and send len(prompts) engine requests (already validated); raises AdmissionError."""
         self.check_admission(len(prompts))
         request_ids = (
             [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         )
         stream = RequestStream(self, request_ids)
-        self._num_pending += len(prompts)
         self._idle.clear()
         now = time.monotonic()
+        observer = self.observer
         for index, token_ids in enumerate(prompts):
-            self._commands.put(_Add(request_ids[index], token_ids, params, stream, index, now))
+            rid = request_ids[index]
+            self._outputs.add(rid, token_ids, params)
+            self._in_flight[rid] = _InFlight(stream, index, now)
+            self._send(AddRequest(rid, token_ids, params, now))
+            if observer:
+                observer.on_request_added(len(token_ids))
         return stream
 
     def check_admission(self, count: int) -> None:
@@ -256,171 +292,135 @@ class AsyncEngine:
         if not self.accepting:
             raise AdmissionError("the server is shutting down")
         if not self.is_alive:
-            raise AdmissionError("the engine loop is not running")
-        if self._num_pending + count > self.max_pending:
+            raise AdmissionError("the engine core is not running")
+        if len(self._in_flight) + count > self.max_pending:
             raise AdmissionError(
-                f"too many pending requests ({self._num_pending} accepted, at most {self.max_pending}); retry later"
+                f"too many pending requests ({len(self._in_flight)} accepted, at most {self.max_pending}); retry later"
             )
 
-    def _deliver(self, deliveries: list[_Delivery]) -> None:
-        """Runs on the event loop: route one step's outputs to their streams."""
-        for stream, index, item in deliveries:
-            if stream._put(index, item):
-                self._num_pending -= 1
-        if self._num_pending == 0:
+    def abort(self, request_ids: list[str]) -> None:
+        """End these requests now (their streams get a final "abort" output) and tell the core."""
+        ended = []
+        now = time.monotonic()
+        for request_id in request_ids:
+            entry = self._in_flight.pop(request_id, None)
+            if entry is None:  # finished already
+                continue
+            ended.append(request_id)
+            self._outputs.discard(request_id)
+            entry.stream._put(entry.index, RequestOutput.aborted(request_id))
+            if self.observer:
+                self.observer.on_request_finished("abort", now - entry.arrival_time)
+        if ended and not self._core_lost:
+            self._send(AbortRequests(ended))
+        if not self._in_flight:
             self._idle.set()
 
-    # -- the loop (engine thread) ----------------------------------------------------------------
-    def _run(self) -> None:
-        in_flight: dict[str, _InFlight] = {}
-        try:
-            self._loop_forever(in_flight)
-        except BaseException:
-            logger.exception("engine loop died")
-            raise
-        finally:
-            # Whatever is still accepted (in the engine or still queued) gets an answer.
-            deliveries: list[_Delivery] = []
-            self._fail_all(in_flight, "the server stopped before the request finished", deliveries)
-            while True:
-                try:
-                    command = self._commands.get_nowait()
-                except queue.Empty:
-                    break
-                if isinstance(command, _Add):
-                    deliveries.append((command.stream, command.index, EngineLoopError("the server stopped")))
-                elif isinstance(command, _ResetPrefixCache):
-                    command.done.set_exception(EngineLoopError("the server stopped"))
-            self._publish()
-            self._send(deliveries)
-
-    def _loop_forever(self, in_flight: dict[str, _InFlight]) -> None:
-        engine = self.engine
-        while True:
-            deliveries: list[_Delivery] = []
-            # Block only when there is nothing to step: an idle server costs no CPU.
-            commands = self._take_commands(block=not engine.has_unfinished_requests())
-            for command in commands:
-                if isinstance(command, _Stop):
-                    return
-                self._apply(command, in_flight, deliveries)
-            if engine.has_unfinished_requests():
-                self._step(in_flight, deliveries)
-            self._publish()
-            if deliveries:
-                self._send(deliveries)
-
-    def _take_commands(self, block: bool) -> list[_Command]:
-        commands: list[_Command] = []
-        if block:
-            commands.append(self._commands.get())
-        while True:
-            try:
-                commands.append(self._commands.get_nowait())
-            except queue.Empty:
-                return commands
-
-    def _apply(self, command: _Command, in_flight: dict[str, _InFlight], deliveries: list[_Delivery]) -> None:
-        if isinstance(command, _Add):
-            try:
-                self.engine.add_request(
-                    command.request_id, command.token_ids, command.params, command.arrival_time
-                )
-            except Exception as error:  # a bad request fails alone; the loop goes on
-                if not isinstance(error, InvalidRequestError):
-                    logger.exception("add_request failed for %s", command.request_id)
-                    error = EngineLoopError(f"the engine could not take the request: {type(error).__name__}")
-                deliveries.append((command.stream, command.index, error))
-                return
-            in_flight[command.request_id] = _InFlight(command.stream, command.index, command.arrival_time)
-            if self.observer:
-                self.observer.on_request_added(len(command.token_ids))
-        elif isinstance(command, _Abort):
-            self._abort(command.request_id, in_flight, deliveries)
-        elif isinstance(command, _AbortAll):
-            for request_id in list(in_flight):
-                self._abort(request_id, in_flight, deliveries)
-        elif isinstance(command, _ResetPrefixCache):
-            try:
-                freed = self.engine.reset_prefix_cache()
-                self._publish()  # the gauges say so before the caller hears it is done
-                command.done.set_result(freed)
-            except Exception as error:
-                logger.exception("resetting the prefix cache failed")
-                command.done.set_exception(EngineLoopError(f"reset failed: {type(error).__name__}"))
-
-    def _abort(self, request_id: str, in_flight: dict[str, _InFlight], deliveries: list[_Delivery]) -> None:
-        entry = in_flight.pop(request_id, None)
-        if entry is None:  # finished already; its last output is on its way
+    # -- the core's outputs ------------------------------------------------------------------------
+    def _send(self, message: CoreRequest) -> None:
+        if self._socket is None:
             return
-        try:
-            self.engine.abort(request_id)
-        except Exception:
-            logger.exception("abort failed for %s", request_id)
-        aborted = RequestOutput(
-            request_id,
-            prompt_token_ids=[],
-            new_token_ids=[],
-            text="",
-            new_text="",
-            finished=True,
-            finish_reason="abort",
-        )
-        deliveries.append((entry.stream, entry.index, aborted))
-        if self.observer:
-            self.observer.on_request_finished("abort", time.monotonic() - entry.arrival_time)
+        self._socket.send(self._encoder.encode(message), copy=False)
 
-    def _step(self, in_flight: dict[str, _InFlight], deliveries: list[_Delivery]) -> None:
-        start = time.perf_counter()
-        try:
-            outputs = self.engine.step()
-        except Exception:
-            # The engine's state after a failed step is unknown: fail everything in it, keep serving.
-            logger.exception("engine step failed; failing %d request(s)", len(in_flight))
-            self._fail_all(in_flight, "the engine failed while generating", deliveries)
-            return
+    async def _receive(self) -> None:
+        socket = self._socket
+        assert socket is not None
+        while True:
+            frame = await socket.recv(copy=False)
+            try:
+                message = OUTPUT_DECODER.decode(frame.buffer)
+            except msgspec.DecodeError:
+                logger.exception("an undecodable message came from the engine core; dropped")
+                continue
+            try:
+                if isinstance(message, StepOutputs):
+                    self._on_step(message)
+                else:
+                    self._on_call_result(message)
+            except Exception:
+                logger.exception("handling the engine core's outputs failed")
+
+    def _on_step(self, message: StepOutputs) -> None:
+        in_flight = self._in_flight
+        observer = self.observer
         now = time.monotonic()
         num_new_tokens = 0
-        for output in outputs:
-            entry = in_flight.get(output.request_id)
-            if entry is None:
+        stopped: list[str] = []
+        for delta in message.deltas:
+            request_id = delta.request_id
+            entry = in_flight.get(request_id)
+            if entry is None:  # aborted here already
                 continue
-            num_new_tokens += len(output.new_token_ids)
-            deliveries.append((entry.stream, entry.index, output))
-            observer = self.observer
+            num_new_tokens += len(delta.new_token_ids)
+            output = self._outputs.process(request_id, delta.new_token_ids, delta.finish_reason)
+            if ended_by_text(output, delta.finish_reason):
+                stopped.append(request_id)
             if observer and not entry.seen_first_token:
                 entry.seen_first_token = True
                 observer.on_first_token(now - entry.arrival_time)
             if output.finished:
-                del in_flight[output.request_id]
+                del in_flight[request_id]
                 if observer:
                     observer.on_request_finished(output.finish_reason or "stop", now - entry.arrival_time)
-        if self.observer:
-            self.observer.on_step(time.perf_counter() - start, num_new_tokens)
+            entry.stream._put(entry.index, output)
+        for failure in message.failures:
+            entry = in_flight.pop(failure.request_id, None)
+            if entry is None:
+                continue
+            self._outputs.discard(failure.request_id)
+            error: Exception = (
+                InvalidRequestError(failure.message, failure.param)
+                if failure.kind == "invalid"
+                else EngineLoopError(failure.message)
+            )
+            entry.stream._put(entry.index, error)
+        if stopped:
+            self._send(AbortRequests(stopped))
+        if observer and message.step_seconds is not None:
+            observer.on_step(message.step_seconds, num_new_tokens)
+        self._publish(_engine_stats(message.stats), message.stats.num_preemptions)
+        self._heard_from_core.set()
+        if not in_flight:
+            self._idle.set()
 
-    def _fail_all(self, in_flight: dict[str, _InFlight], message: str, deliveries: list[_Delivery]) -> None:
-        for request_id, entry in in_flight.items():
-            try:
-                self.engine.abort(request_id)
-            except Exception:
-                logger.exception("abort failed for %s", request_id)
-            deliveries.append((entry.stream, entry.index, EngineLoopError(message)))
-        in_flight.clear()
-
-    def _publish(self) -> None:
-        try:
-            stats = self.engine.stats()
-            preemptions = self.engine.scheduler.num_preemptions
-        except Exception:
-            logger.exception("reading engine stats failed")
+    def _on_call_result(self, message: CallResult) -> None:
+        self._publish(_engine_stats(message.stats), message.stats.num_preemptions)
+        done = self._calls.pop(message.call_id, None)
+        if done is None or done.done():
             return
-        self.snapshot = Snapshot(stats, preemptions)
-        if self.observer:
-            self.observer.on_stats(stats, preemptions)
+        if message.error is None:
+            done.set_result(message.value)
+        else:
+            done.set_exception(EngineLoopError(message.error))
 
-    def _send(self, deliveries: list[_Delivery]) -> None:
-        loop = self._loop
-        if loop is None or loop.is_closed():
+    def _publish(self, stats: EngineStats, num_preemptions: int) -> None:
+        self.snapshot = Snapshot(stats, num_preemptions)
+        if self.observer:
+            self.observer.on_stats(stats, num_preemptions)
+
+    # -- the core's death --------------------------------------------------------------------------
+    def _core_exited(self) -> None:
+        if self._loop is not None:
+            self._loop.remove_reader(self.core.sentinel)
+        if self._core_lost:
             return
-        with contextlib.suppress(RuntimeError):  # the event loop closed since the check
-            loop.call_soon_threadsafe(self._deliver, deliveries)
+        self._core_lost = True
+        self._heard_from_core.set()  # nothing more will come: whoever waits for it, stop waiting
+        code = self.core.exitcode
+        logger.error(
+            "the engine core stopped (exit code %s): failing %d request(s)", code, len(self._in_flight)
+        )
+        self._fail_all(f"the engine core stopped (exit code {code})")
+        if self.on_core_lost is not None:
+            self.on_core_lost()
+
+    def _fail_all(self, message: str) -> None:
+        for request_id, entry in self._in_flight.items():
+            self._outputs.discard(request_id)
+            entry.stream._put(entry.index, EngineLoopError(message))
+        self._in_flight.clear()
+        for done in self._calls.values():
+            if not done.done():
+                done.set_exception(EngineLoopError(message))
+        self._calls.clear()
+        self._idle.set()

@@ -1,9 +1,11 @@
-"""`python -m server --model DIR ...`: parse flags, build the engine and the app, serve with uvicorn.
+"""`python -m server --model DIR ...`: parse flags, start the engine core's process, serve the app.
 
-Engine flags are spelled as vLLM spells them and mapped onto EngineArgs fields. `DrainingServer`
-adds the shutdown the issue asks for to uvicorn's: on SIGTERM/SIGINT new requests get 503 while the
-accepted ones finish (up to --shutdown-timeout, then they are aborted), then uvicorn closes and the
-process exits 0. A second signal exits at once.
+Engine flags are spelled as vLLM spells them and mapped onto EngineArgs fields; the engine core gets
+them in its own process (engine/core_process.py) and this process serves HTTP. `DrainingServer` adds
+a graceful shutdown to uvicorn's: on SIGTERM/SIGINT new requests get 503 while the accepted ones
+finish (up to --shutdown-timeout, then they are aborted), then uvicorn closes, the core is stopped
+and the process exits 0. A second signal exits at once. If the core dies, the requests in flight
+fail, /health answers 503 and the process exits 1.
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ import signal
 import socket
 import sys
 import tracemalloc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import FrameType
 
 import uvicorn
 
-from engine import EngineArgs, LLMEngine
+from engine import EngineArgs
 from engine.attention import BACKEND_NAMES
+from engine.core_process import CoreProcess, CoreStartupError
 from server.app import create_app
 from server.async_engine import AsyncEngine
 from server.guards import DEFAULT_MAX_REQUEST_BYTES
@@ -153,6 +156,13 @@ class DrainingServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task[None] | None = None
         self._signalled = False
+        self.core_lost = False
+        async_engine.on_core_lost = self._on_core_lost
+
+    def _on_core_lost(self) -> None:
+        """The requests in flight have failed already: nothing to drain, exit now (status 1)."""
+        self.core_lost = True
+        self.should_exit = True
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -167,7 +177,7 @@ class DrainingServer(uvicorn.Server):
                 self.model_name,
                 host,
                 port,
-                self.async_engine.engine.device,
+                self.async_engine.core.info.device,
                 self.config.http,
                 self.config.loop,
             )
@@ -194,7 +204,9 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, core_setup: Callable[[], None] | None = None) -> int:
+    """`core_setup` (importable, picklable) runs in the engine core's process before the engine is
+    built: `bench host-cost` replaces the model there."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),
@@ -202,12 +214,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
-        engine = LLMEngine(engine_args(args))
-    except (ValueError, FileNotFoundError, OSError) as error:
+        core = CoreProcess.launch(engine_args(args), setup=core_setup)
+    except (CoreStartupError, ValueError, FileNotFoundError, OSError) as error:
         logger.error("cannot start the engine: %s", error)
         return 2
+    try:
+        return _serve(args, core)
+    finally:
+        core.shutdown()
+
+
+def _serve(args: argparse.Namespace, core: CoreProcess) -> int:
     app = create_app(
-        engine,
+        core,
         args.served_model_name,
         max_pending=args.max_pending,
         shutdown_timeout=args.shutdown_timeout,
@@ -236,4 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config, app.state.async_engine, args.shutdown_timeout, app.state.served_model_name
     )
     server.run()
+    if server.core_lost:
+        logger.error("exiting: the engine core stopped")
+        return 1
     return 0 if server.started else 1

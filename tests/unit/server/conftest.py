@@ -1,4 +1,5 @@
-"""Fixtures for the server tests: one tiny engine per session, the app behind httpx, live servers.
+"""Fixtures for the server tests: one tiny engine core process per session (shared by every app, as
+several API processes share one core), the app behind httpx, live servers.
 
 `api` drives the app in-process through httpx's ASGITransport (no incremental streaming);
 `live_server` runs a real uvicorn on 127.0.0.1 in a thread, for streaming, disconnect and admission
@@ -9,30 +10,40 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from server_testing import ENGINE_OPTIONS, LiveServer, ServerProcess, app_client
 
-from engine import EngineArgs, LLMEngine
+from engine import EngineArgs
+from engine.core_process import CoreProcess
+from server.app import load_tokenizer
 
 
 @pytest.fixture(scope="session")
-def engine(tiny_model_dir: Path) -> LLMEngine:
+def core(tiny_model_dir: Path) -> Iterator[CoreProcess]:
     """Shared by every app in the session; each app's lifespan leaves it idle again."""
-    return LLMEngine(EngineArgs(model=str(tiny_model_dir), **ENGINE_OPTIONS))
+    core = CoreProcess.launch(EngineArgs(model=str(tiny_model_dir), **ENGINE_OPTIONS))
+    yield core
+    core.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_dir: Path) -> Any:
+    return load_tokenizer(str(tiny_model_dir))
 
 
 @pytest.fixture
-async def api(engine: LLMEngine) -> AsyncIterator[httpx.AsyncClient]:
-    async with app_client(engine, max_pending=64) as client:
+async def api(core: CoreProcess) -> AsyncIterator[httpx.AsyncClient]:
+    async with app_client(core, max_pending=64) as client:
         yield client
 
 
 @pytest.fixture
-def live_server(engine: LLMEngine) -> Iterator[Callable[..., LiveServer]]:
+def live_server(core: CoreProcess) -> Iterator[Callable[..., LiveServer]]:
     """Factory: `with live_server(max_pending=2) as url:`."""
-    yield lambda **options: LiveServer(engine, **options)
+    yield lambda **options: LiveServer(core, **options)
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import uvicorn
 
-from engine import LLMEngine
+from engine.core_process import CoreProcess
 from server import create_app
 
 # Small and fast on two CPU cores: 64 blocks of 16 tokens hold two full 512-token contexts.
@@ -31,21 +31,66 @@ MODEL_NAME = "tiny"
 
 
 @asynccontextmanager
-async def app_client(engine: LLMEngine, **app_options: Any) -> AsyncIterator[httpx.AsyncClient]:
-    """create_app(engine, ...) driven in-process through httpx's ASGITransport, its lifespan running
-    (the engine thread started, drained at the end); no incremental streaming."""
-    app = create_app(engine, MODEL_NAME, **{"shutdown_timeout": 2.0, **app_options})
+async def app_client(core: CoreProcess, **app_options: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """create_app(core, ...) driven in-process through httpx's ASGITransport, its lifespan running
+    (connected to the engine core, drained at the end); no incremental streaming."""
+    app = create_app(core, MODEL_NAME, **{"shutdown_timeout": 2.0, **app_options})
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as client:
             yield client
 
 
-class LiveServer:
-    """uvicorn serving create_app(engine, ...) on 127.0.0.1:<free port> in a background thread."""
+def child_pids(pid: int) -> list[int]:
+    """The live child processes of `pid` (Linux /proc)."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                children.append(int(entry.name))
+    return children
 
-    def __init__(self, engine: LLMEngine, **app_options: Any) -> None:
-        self.app = create_app(engine, MODEL_NAME, **{"shutdown_timeout": 2.0, **app_options})
+
+def pid_alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie, exited but not yet reaped, counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS line")
+
+
+def fail_to_add_66_66_66() -> None:
+    """A core setup (runs in the engine core's process): adding the prompt [66, 66, 66] raises a
+    RuntimeError, an engine failure rather than a bad request."""
+    from engine import LLMEngine
+
+    real_add = LLMEngine.add_request
+
+    def add_request(self: LLMEngine, request_id: str, prompt: Any, *args: Any, **kwargs: Any) -> None:
+        if list(prompt) == [66, 66, 66]:
+            raise RuntimeError("boom")
+        real_add(self, request_id, prompt, *args, **kwargs)
+
+    LLMEngine.add_request = add_request  # type: ignore[method-assign]
+
+
+class LiveServer:
+    """uvicorn serving create_app(core, ...) on 127.0.0.1:<free port> in a background thread."""
+
+    def __init__(self, core: CoreProcess, **app_options: Any) -> None:
+        self.app = create_app(core, MODEL_NAME, **{"shutdown_timeout": 2.0, **app_options})
         config = uvicorn.Config(
             self.app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=3
         )
@@ -100,7 +145,7 @@ class ServerProcess:
         )
         self.url = self._wait_ready()
 
-    def _wait_ready(self, timeout: float = 60) -> str:
+    def _wait_ready(self, timeout: float = 180) -> str:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             match = READY.search(self.log_path.read_text())
@@ -113,11 +158,19 @@ class ServerProcess:
         raise AssertionError(f"no ready line; log:\n{self.log_path.read_text()}")
 
     def rss_bytes(self) -> int:
-        """Resident set size of the server process (Linux /proc)."""
-        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        raise RuntimeError("no VmRSS line")
+        """Resident set size of the server's processes, the API process and its engine core (Linux
+        /proc)."""
+        return sum(_rss_bytes(pid) for pid in [self.process.pid, *child_pids(self.process.pid)])
+
+    def core_pid(self) -> int:
+        """The engine core's process: the server's child started by multiprocessing's spawn (the
+        other child is multiprocessing's resource tracker)."""
+        [pid] = [
+            pid
+            for pid in child_pids(self.process.pid)
+            if b"multiprocessing.spawn" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        ]
+        return pid
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")

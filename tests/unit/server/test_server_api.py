@@ -5,14 +5,23 @@ request that fails inside it.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from server_testing import ENGINE_OPTIONS, MODEL_NAME, parse_metrics, sse_payloads
+from server_testing import (
+    ENGINE_OPTIONS,
+    MODEL_NAME,
+    app_client,
+    fail_to_add_66_66_66,
+    parse_metrics,
+    sse_payloads,
+)
 
-from engine import LLM, LLMEngine, SamplingParams
+from engine import LLM, EngineArgs, SamplingParams
+from engine.core_process import CoreProcess
 from server.app import render_chat
 from server.protocol import ChatMessage
 
@@ -23,7 +32,7 @@ async def complete(client: httpx.AsyncClient, **body: Any) -> dict[str, Any]:
     return response.json()
 
 
-async def test_completion_shape_and_exact_usage(api: httpx.AsyncClient, engine: LLMEngine) -> None:
+async def test_completion_shape_and_exact_usage(api: httpx.AsyncClient, tokenizer: Any) -> None:
     prompt = "the quick brown fox"
     body = await complete(api, model=MODEL_NAME, prompt=prompt, max_tokens=7, ignore_eos=True, temperature=0)
     assert (
@@ -31,7 +40,7 @@ async def test_completion_shape_and_exact_usage(api: httpx.AsyncClient, engine: 
     )
     [choice] = body["choices"]
     assert choice["index"] == 0 and choice["finish_reason"] == "length" and choice["logprobs"] is None
-    num_prompt = len(engine.tokenizer.encode(prompt, add_special_tokens=False))
+    num_prompt = len(tokenizer.encode(prompt, add_special_tokens=False))
     assert body["usage"] == {
         "prompt_tokens": num_prompt,
         "completion_tokens": 7,
@@ -103,7 +112,7 @@ async def test_streaming_without_usage_has_no_usage_chunk(api: httpx.AsyncClient
     assert events[-1] == "[DONE]" and all(e["choices"] for e in events[:-1])
 
 
-async def test_chat_completion(api: httpx.AsyncClient, engine: LLMEngine) -> None:
+async def test_chat_completion(api: httpx.AsyncClient, tokenizer: Any) -> None:
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
     response = await api.post(
         "/v1/chat/completions", json={"messages": messages, "max_tokens": 4, "ignore_eos": True}
@@ -113,8 +122,8 @@ async def test_chat_completion(api: httpx.AsyncClient, engine: LLMEngine) -> Non
     assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
     [choice] = body["choices"]
     assert choice["message"]["role"] == "assistant" and isinstance(choice["message"]["content"], str)
-    rendered = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    num_prompt = len(engine.tokenizer.encode(rendered, add_special_tokens=False))
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    num_prompt = len(tokenizer.encode(rendered, add_special_tokens=False))
     assert body["usage"] == {
         "prompt_tokens": num_prompt,
         "completion_tokens": 4,
@@ -141,10 +150,10 @@ async def test_chat_streaming_deltas(api: httpx.AsyncClient) -> None:
     assert events[-2]["usage"]["completion_tokens"] == 3
 
 
-async def test_chat_default_max_tokens_fills_the_context(api: httpx.AsyncClient, engine: LLMEngine) -> None:
+async def test_chat_default_max_tokens_fills_the_context(api: httpx.AsyncClient, tokenizer: Any) -> None:
     messages = [{"role": "user", "content": "x " * 200}]
-    rendered = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    num_prompt = len(engine.tokenizer.encode(rendered, add_special_tokens=False))
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    num_prompt = len(tokenizer.encode(rendered, add_special_tokens=False))
     response = await api.post("/v1/chat/completions", json={"messages": messages, "ignore_eos": True})
     assert response.json()["usage"]["completion_tokens"] == ENGINE_OPTIONS["max_model_len"] - num_prompt
 
@@ -172,7 +181,7 @@ async def test_greedy_matches_offline_api(
     assert "".join(e["choices"][0]["text"] for e in sse_payloads(streamed.text)[:-1]) == expected.text
 
 
-async def test_models_health_version(api: httpx.AsyncClient, engine: LLMEngine) -> None:
+async def test_models_health_version(api: httpx.AsyncClient, core: CoreProcess) -> None:
     models = (await api.get("/v1/models")).json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL_NAME]
     assert models["data"][0]["object"] == "model"
@@ -181,7 +190,7 @@ async def test_models_health_version(api: httpx.AsyncClient, engine: LLMEngine) 
     version = (await api.get("/version")).json()
     assert version["name"] == "paged-engine" and version["model"] == MODEL_NAME
     assert version["device"] == "cpu" and version["gpu"] is None
-    assert version["config"] == engine.config_dict()
+    assert version["config"] == core.info.config
     assert version["config"]["max_model_len"] == 512 and version["config"]["num_kv_blocks"] == 64
 
 
@@ -228,26 +237,25 @@ async def test_a_repeated_prompt_shows_prefix_cache_hits_and_reset_forgets_them(
     assert (await metrics())["engine_prefix_cache_hits_total"] == after["engine_prefix_cache_hits_total"]
 
 
-async def test_engine_loop_survives_a_failing_request(
-    api: httpx.AsyncClient, engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    real_add = engine.add_request
-
-    def add_request(
-        request_id: str, prompt: Any, params: SamplingParams, arrival_time: float | None = None
-    ) -> None:
-        if prompt == [66, 66, 66]:
-            raise RuntimeError("boom")
-        real_add(request_id, prompt, params, arrival_time)
-
-    monkeypatch.setattr(engine, "add_request", add_request)
-    failed = await api.post("/v1/completions", json={"prompt": [66, 66, 66], "max_tokens": 2})
-    assert failed.status_code == 500 and failed.json()["error"]["type"] == "InternalServerError"
-    streamed = await api.post(
-        "/v1/completions", json={"prompt": [66, 66, 66], "max_tokens": 2, "stream": True}
+@pytest.fixture(scope="module")
+def failing_core(tiny_model_dir: Path) -> Iterator[CoreProcess]:
+    """A core whose engine raises (not a validation error) when asked to add the prompt [66, 66, 66]."""
+    core = CoreProcess.launch(
+        EngineArgs(model=str(tiny_model_dir), **ENGINE_OPTIONS), setup=fail_to_add_66_66_66
     )
-    events = sse_payloads(streamed.text)
-    assert "error" in events[0] and events[-1] == "[DONE]"
-    assert (await api.get("/health")).status_code == 200
-    body = await complete(api, prompt=[1, 2], max_tokens=2, ignore_eos=True)
-    assert body["usage"]["completion_tokens"] == 2
+    yield core
+    core.shutdown()
+
+
+async def test_engine_core_survives_a_failing_request(failing_core: CoreProcess) -> None:
+    async with app_client(failing_core) as api:
+        failed = await api.post("/v1/completions", json={"prompt": [66, 66, 66], "max_tokens": 2})
+        assert failed.status_code == 500 and failed.json()["error"]["type"] == "InternalServerError"
+        streamed = await api.post(
+            "/v1/completions", json={"prompt": [66, 66, 66], "max_tokens": 2, "stream": True}
+        )
+        events = sse_payloads(streamed.text)
+        assert "error" in events[0] and events[-1] == "[DONE]"
+        assert (await api.get("/health")).status_code == 200
+        body = await complete(api, prompt=[1, 2], max_tokens=2, ignore_eos=True)
+        assert body["usage"]["completion_tokens"] == 2

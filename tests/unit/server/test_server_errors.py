@@ -4,6 +4,7 @@ naming the field, never a 422 or a 500, and the server keeps serving afterwards.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -11,7 +12,8 @@ import httpx
 import pytest
 from server_testing import ENGINE_OPTIONS, MODEL_NAME, app_client
 
-from engine import EngineArgs, LLMEngine
+from engine import EngineArgs
+from engine.core_process import CoreProcess
 
 LONG_PROMPT = [7] * 600  # past max_model_len 512 on its own
 COMPLETION = "/v1/completions"
@@ -159,12 +161,36 @@ async def test_refused_parameters_are_400_with_their_message(
 
 async def test_admission_defaults_to_twice_the_sequence_cap(tiny_model_dir) -> None:
     # No --max-pending: twice max_num_seqs in force (here 4, so 8); a batch of 9 could never fit.
-    engine = LLMEngine(EngineArgs(model=str(tiny_model_dir), **ENGINE_OPTIONS, max_num_seqs=4))
-    async with app_client(engine) as client:
-        body = {"model": MODEL_NAME, "max_tokens": 1}
-        refused = await client.post(COMPLETION, json={**body, "prompt": [[1]] * 9})
-        assert refused.status_code == 400, refused.text
-        assert "(8, --max-pending)" in refused.json()["error"]["message"]
-        accepted = await client.post(COMPLETION, json={**body, "prompt": [[1]] * 8})
-        assert accepted.status_code == 200, accepted.text
-        assert len(accepted.json()["choices"]) == 8
+    core = CoreProcess.launch(EngineArgs(model=str(tiny_model_dir), **ENGINE_OPTIONS, max_num_seqs=4))
+    try:
+        async with app_client(core) as client:
+            body = {"model": MODEL_NAME, "max_tokens": 1}
+            refused = await client.post(COMPLETION, json={**body, "prompt": [[1]] * 9})
+            assert refused.status_code == 400, refused.text
+            assert "(8, --max-pending)" in refused.json()["error"]["message"]
+            accepted = await client.post(COMPLETION, json={**body, "prompt": [[1]] * 8})
+            assert accepted.status_code == 200, accepted.text
+            assert len(accepted.json()["choices"]) == 8
+    finally:
+        core.shutdown()
+
+
+async def test_after_the_core_dies_health_and_requests_answer_503(tiny_model_dir) -> None:
+    core = CoreProcess.launch(EngineArgs(model=str(tiny_model_dir), **ENGINE_OPTIONS))
+    try:
+        async with app_client(core) as client:
+            assert (await client.get("/health")).status_code == 200
+            core.process.kill()
+            core.process.join(10)
+            for _ in range(100):  # the app hears of it from the event loop (the process's sentinel)
+                health = await client.get("/health")
+                if health.status_code != 200:
+                    break
+                await asyncio.sleep(0.02)
+            assert health.status_code == 503 and "engine core" in health.json()["error"]["message"]
+            refused = await client.post(
+                COMPLETION, json={"model": MODEL_NAME, "prompt": [1], "max_tokens": 1}
+            )
+            assert refused.status_code == 503 and "engine core" in refused.json()["error"]["message"]
+    finally:
+        core.shutdown()
