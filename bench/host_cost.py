@@ -89,6 +89,29 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def process_tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of a process and every live descendant: the server's API process and its engine
+    core's process together (a core that busy-polls counts what it burns)."""
+    children: dict[int, list[int]] = {}
+    for entry in PROC.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        children.setdefault(parent, []).append(int(entry.name))
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        try:
+            total += process_cpu_seconds(current)
+        except OSError:
+            continue
+        todo.extend(children.get(current, []))
+    return total
+
+
 def replace_the_model_with_a_constant_token() -> None:
     """In this process, every step's sampled tokens are CONSTANT_TOKEN, with no forward pass."""
     import torch
@@ -109,8 +132,8 @@ def replace_the_model_with_a_constant_token() -> None:
 
 
 def replace_the_engine_with_an_emitter() -> None:
-    """In this process, LLMEngine validates a request and then only emits CONSTANT_TOKEN for it each
-    step until max_tokens: no scheduling, cache, preparation or detokenization. What a server built on
+    """In this process (the engine core's), LLMEngine validates a request and then only emits
+    CONSTANT_TOKEN for it each step until max_tokens: no scheduling, cache, preparation or detokenization. What a server built on
     it spends is the HTTP side's cost (and the engine thread's loop), with the engine's work taken out."""
     from engine import LLMEngine, RequestOutput, SamplingParams
 
@@ -150,11 +173,9 @@ def serve(config: HostCostConfig, host: str, port: int, http_only: bool) -> None
     http_only, the whole engine by an emitter of it)."""
     from server.cli import main as server_main
 
-    replace_the_model_with_a_constant_token()
-    if http_only:
-        replace_the_engine_with_an_emitter()
+    setup = replace_the_engine_with_an_emitter if http_only else replace_the_model_with_a_constant_token
     argv = ["--model", config.model, "--host", host, "--port", str(port), *config.engine_flags()]
-    raise SystemExit(server_main([*argv, "--disable-uvicorn-access-log"]))
+    raise SystemExit(server_main([*argv, "--disable-uvicorn-access-log"], core_setup=setup))
 
 
 def engine_only(config: HostCostConfig) -> dict[str, float]:
@@ -206,11 +227,12 @@ def measure(config: HostCostConfig, log_path: Path, http_only: bool = False) -> 
         workload = WorkloadSpec(kind="fixed", input_len=config.input_len, output_len=config.output_len)
         warm = LoadConfig(n_requests=config.concurrency, progress=False)
         run_closed_loop(endpoint, workload, config.concurrency, warm)
-        before, start = process_cpu_seconds(server.process.pid), time.perf_counter()
+        before, start = process_tree_cpu_seconds(server.process.pid), time.perf_counter()
         level = run_closed_loop(
             endpoint, workload, config.concurrency, LoadConfig(n_requests=config.requests, progress=False)
         )
-        cpu_s, wall_s = process_cpu_seconds(server.process.pid) - before, time.perf_counter() - start
+        cpu_s = process_tree_cpu_seconds(server.process.pid) - before
+        wall_s = time.perf_counter() - start
     rows = [row for row in level.rows if not row.warmup]
     tokens = sum(row.output_tokens for row in rows if row.ok)
     chunks = sum(row.chunks for row in rows if row.ok)
