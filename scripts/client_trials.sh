@@ -9,8 +9,11 @@
 #   e.g. scripts/client_trials.sh /tmp/qwen OUT --dataset-name random --random-input-len 1024 \
 #          --random-output-len 128 --num-prompts 300 --max-concurrency 64 --ignore-eos
 # env:   TARGETS ("vllm engine"), RUNS (2), WARMUP_PROMPTS (64), PERF_VLLM_ENV (a staged vLLM's env
-#        file, sourced for vLLM's server and client only; see bench/launch.py), DTYPE (bfloat16)
-# Writes OUT_DIR/TARGET-N.json (vLLM's result files), OUT_DIR/TARGET-server.log, OUT_DIR/summary.json.
+#        file, sourced for vLLM's server and client only; see bench/launch.py), DTYPE (bfloat16),
+#        CONCURRENCIES (e.g. "64 256": each run is repeated at each --max-concurrency, on one server
+#        start; the flags then should not give --max-concurrency themselves)
+# Writes OUT_DIR/TARGET[-cC]-N.json (vLLM's result files), OUT_DIR/TARGET-server.log, OUT_DIR/summary.json
+# (by target, and by concurrency where CONCURRENCIES is set).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 usage="usage: scripts/client_trials.sh MODEL_DIR OUT_DIR [vllm bench serve flags...]"
@@ -38,10 +41,14 @@ for target in ${TARGETS:-vllm engine}; do
   common=(--base-url "${base_url%/v1}" --model "$served")
   vllm_client "${common[@]}" "$@" --num-prompts "${WARMUP_PROMPTS:-64}" --result-dir "$out" \
     --result-filename "$target-warmup.json" >"$out/$target-warmup.log" 2>&1 || { tail -n 30 "$out/$target-warmup.log"; status=4; }
-  for run in $(seq 1 "${RUNS:-2}"); do
-    echo "== $target: run $run"
-    vllm_client "${common[@]}" "$@" --result-dir "$out" --result-filename "$target-$run.json" \
-      >"$out/$target-$run.log" 2>&1 || { tail -n 30 "$out/$target-$run.log"; status=4; }
+  for concurrency in ${CONCURRENCIES:-default}; do
+    level=() tag=$target
+    if [ "$concurrency" != default ]; then level=(--max-concurrency "$concurrency") tag=$target-c$concurrency; fi
+    for run in $(seq 1 "${RUNS:-2}"); do
+      echo "== $tag: run $run"
+      vllm_client "${common[@]}" "$@" "${level[@]}" --result-dir "$out" --result-filename "$tag-$run.json" \
+        >"$out/$tag-$run.log" 2>&1 || { tail -n 30 "$out/$tag-$run.log"; status=4; }
+    done
   done
   kill -TERM -- "-$pid" 2>/dev/null
   for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
@@ -51,7 +58,8 @@ import json, statistics, sys
 from pathlib import Path
 out = Path(sys.argv[1])
 summary = {}
-for target in ("vllm", "engine"):
+tags = sorted({p.name.rsplit("-", 1)[0] for p in out.glob("*-[0-9]*.json")} - {"vllm-warmup", "engine-warmup"})
+for target in tags:
     runs = []
     for path in sorted(out.glob(f"{target}-[0-9]*.json")):
         data = json.loads(path.read_text())
@@ -63,8 +71,10 @@ for target in ("vllm", "engine"):
 for target, entry in summary.items():
     for r in entry["runs"]:
         print(f"{target:7s} {r['run']:16s} {r['output_tok_s']:9.1f} tok/s  TPOT p50 {r['tpot_p50_ms']:6.2f} ms  TTFT p50 {r['ttft_p50_ms']:7.1f} ms  completed {r['completed']} failed {r['failed']}")
-if "vllm" in summary and "engine" in summary:
-    print(f"engine / vLLM output tok/s: {summary['engine']['output_tok_s'] / summary['vllm']['output_tok_s']:.3f}; "
-          f"TPOT p50 {summary['engine']['tpot_p50_ms'] / summary['vllm']['tpot_p50_ms']:.3f}")
+for tag in summary:
+    if tag.startswith("engine") and "vllm" + tag[len("engine"):] in summary:
+        engine, vllm = summary[tag], summary["vllm" + tag[len("engine"):]]
+        print(f"{tag} / vLLM output tok/s: {engine['output_tok_s'] / vllm['output_tok_s']:.3f}; "
+              f"TPOT p50 {engine['tpot_p50_ms'] / vllm['tpot_p50_ms']:.3f}")
 PY
 exit $status
