@@ -107,7 +107,8 @@ def test_the_server_counts_the_text_prompts_at_their_length(tiny_server, tiny_mo
     assert summary["failures"] == 0
     assert summary["prompt_tokens_checked"] == 4
     assert summary["prompt_tokens_mismatched"] == 0, [r.usage_prompt_tokens for r in result.rows]
-    assert not result.warnings
+    # No prompt-length warning (a busy machine may add a client-lag one, which is not this test's).
+    assert not [w for w in result.warnings if "prompt" in w], result.warnings
 
 
 def test_bench_run_sends_text_and_records_the_check(tiny_server, tiny_model_dir, tmp_path):
