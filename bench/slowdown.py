@@ -2,7 +2,8 @@
 perf tier's budgets catch a slowdown (tests/unit/bench/test_smoke_catches_slowdown.py). Never part of
 a measurement.
 
-`python -m bench.slowdown FACTOR MODULE ARGS...` wraps `engine.LLMEngine.step` so each call is
+`python -m bench.slowdown FACTOR MODULE ARGS...` wraps `engine.LLMEngine.step` (for `server`, in its
+engine core's process) so each call is
 followed by (FACTOR − 1) x its own wall time of torch matmuls, then runs MODULE as `python -m MODULE
 ARGS...` would. The extra time is spent computing, not sleeping, because that is what a slower
 engine does on the CPU smoke's 2 cores: it keeps them from the HTTP path and the load generator,
@@ -14,6 +15,7 @@ PERF_INJECT_SLOWDOWN=FACTOR is set; like bench.offline_worker, it imports the en
 
 from __future__ import annotations
 
+import functools
 import os
 import runpy
 import sys
@@ -70,8 +72,13 @@ def slow_down_engine(slowdown: float) -> None:
 
 def main() -> None:
     slowdown, module, *args = sys.argv[1:]
-    slow_down_engine(float(slowdown))
     print(f"[bench.slowdown] engine steps made {float(slowdown):g}x slower (test-only)", file=sys.stderr)
+    if module == "server":
+        # The server's engine steps in the engine core's process: the wrapper goes there.
+        from server.cli import main as server_main
+
+        raise SystemExit(server_main(args, core_setup=functools.partial(slow_down_engine, float(slowdown))))
+    slow_down_engine(float(slowdown))
     sys.argv = [module, *args]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
