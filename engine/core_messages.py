@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
+from engine.engine import EngineStats
 from engine.sampling_params import SamplingParams
 
 
@@ -48,15 +49,9 @@ CoreRequest = AddRequest | AbortRequests | ResetPrefixCache | Hello | Goodbye
 
 # -- core -> API process ------------------------------------------------------------------------
 class CoreStats(msgspec.Struct, array_like=True):
-    """The engine's gauges and counters after a step (`EngineStats` plus the preemption count)."""
+    """The engine's gauges and counters after a core iteration, and its preemptions so far."""
 
-    num_running: int
-    num_waiting: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    kv_blocks_cached: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
+    engine: EngineStats
     num_preemptions: int
 
 

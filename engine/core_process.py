@@ -58,17 +58,7 @@ class CoreStartupError(RuntimeError):
 
 
 def core_stats(engine: LLMEngine) -> CoreStats:
-    stats = engine.stats()
-    return CoreStats(
-        stats.num_running,
-        stats.num_waiting,
-        stats.kv_blocks_used,
-        stats.kv_blocks_total,
-        stats.kv_blocks_cached,
-        stats.prefix_cache_queries,
-        stats.prefix_cache_hits,
-        engine.scheduler.num_preemptions,
-    )
+    return CoreStats(engine.stats(), engine.scheduler.num_preemptions)
 
 
 class EngineCore:

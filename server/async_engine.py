@@ -136,26 +136,6 @@ class RequestStream:
             self._owner.abort([self.request_ids[index] for index in self._unfinished])
 
 
-@dataclass(frozen=True)
-class Snapshot:
-    """The engine's latest figures for /metrics (replaced whole, never mutated)."""
-
-    stats: EngineStats
-    num_preemptions: int = 0
-
-
-def _engine_stats(stats: CoreStats) -> EngineStats:
-    return EngineStats(
-        stats.num_running,
-        stats.num_waiting,
-        stats.kv_blocks_used,
-        stats.kv_blocks_total,
-        stats.kv_blocks_cached,
-        stats.prefix_cache_queries,
-        stats.prefix_cache_hits,
-    )
-
-
 class AsyncEngine:
     """One API process's connection to the engine core; every public method runs on the event loop."""
 
@@ -172,7 +152,7 @@ class AsyncEngine:
         self.observer = observer
         self.accepting = True
         self.on_core_lost: Callable[[], None] | None = None  # called once if the core process dies
-        self.snapshot = Snapshot(_engine_stats(core.info.stats), core.info.stats.num_preemptions)
+        self.snapshot: CoreStats = core.info.stats  # the engine's latest figures, for /metrics
         self._outputs = OutputProcessor(tokenizer)
         self._in_flight: dict[str, _InFlight] = {}
         self._calls: dict[int, asyncio.Future[int]] = {}
@@ -201,7 +181,7 @@ class AsyncEngine:
         self._socket.setsockopt(zmq.LINGER, GOODBYE_LINGER_MS)
         self._socket.connect(self.core.address)
         self._send(Hello())
-        self._publish(self.snapshot.stats, self.snapshot.num_preemptions)
+        self._publish(self.snapshot)
         self._heard_from_core = asyncio.Event()
         self._receiver = asyncio.ensure_future(self._receive())
         self._loop.add_reader(self.core.sentinel, self._core_exited)
@@ -378,13 +358,13 @@ class AsyncEngine:
             self._send(AbortRequests(stopped))
         if observer and message.step_seconds is not None:
             observer.on_step(message.step_seconds, num_new_tokens)
-        self._publish(_engine_stats(message.stats), message.stats.num_preemptions)
+        self._publish(message.stats)
         self._heard_from_core.set()
         if not in_flight:
             self._idle.set()
 
     def _on_call_result(self, message: CallResult) -> None:
-        self._publish(_engine_stats(message.stats), message.stats.num_preemptions)
+        self._publish(message.stats)
         done = self._calls.pop(message.call_id, None)
         if done is None or done.done():
             return
@@ -393,10 +373,10 @@ class AsyncEngine:
         else:
             done.set_exception(EngineLoopError(message.error))
 
-    def _publish(self, stats: EngineStats, num_preemptions: int) -> None:
-        self.snapshot = Snapshot(stats, num_preemptions)
+    def _publish(self, stats: CoreStats) -> None:
+        self.snapshot = stats
         if self.observer:
-            self.observer.on_stats(stats, num_preemptions)
+            self.observer.on_stats(stats.engine, stats.num_preemptions)
 
     # -- the core's death --------------------------------------------------------------------------
     def _core_exited(self) -> None:
