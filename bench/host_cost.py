@@ -89,18 +89,24 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def process_tree_cpu_seconds(pid: int) -> float:
-    """CPU seconds of a process and every live descendant: the server's API process and its engine
-    core's process together (a core that busy-polls counts what it burns)."""
-    children: dict[int, list[int]] = {}
+def child_pids(pid: int) -> list[int]:
+    """The live child processes of `pid` (Linux /proc; an exited, unreaped child does not count)."""
+    children = []
     for entry in PROC.iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
+            state, parent = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+        except (OSError, ValueError):
             continue  # gone meanwhile
-        children.setdefault(parent, []).append(int(entry.name))
+        if int(parent) == pid and state != "Z":
+            children.append(int(entry.name))
+    return children
+
+
+def process_tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of a process and every live descendant: the server's API process and its engine
+    core's process together (a core that busy-polls counts what it burns)."""
     total, todo = 0.0, [pid]
     while todo:
         current = todo.pop()
@@ -108,7 +114,7 @@ def process_tree_cpu_seconds(pid: int) -> float:
             total += process_cpu_seconds(current)
         except OSError:
             continue
-        todo.extend(children.get(current, []))
+        todo.extend(child_pids(current))
     return total
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import uvicorn
 
+from bench.host_cost import child_pids
 from engine.core_process import CoreProcess
 from server import create_app
 
@@ -39,20 +40,6 @@ async def app_client(core: CoreProcess, **app_options: Any) -> AsyncIterator[htt
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as client:
             yield client
-
-
-def child_pids(pid: int) -> list[int]:
-    """The live child processes of `pid` (Linux /proc)."""
-    children = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                children.append(int(entry.name))
-    return children
 
 
 def pid_alive(pid: int) -> bool:
