@@ -16,12 +16,21 @@ from engine.sampling_params import SamplingParams
 
 # -- API process -> core ------------------------------------------------------------------------
 class AddRequest(msgspec.Struct, tag="add", array_like=True):
-    """A validated request: its prompt is token ids, its parameters passed validation."""
+    """The validated engine requests of one HTTP request (several for a batch prompt), admitted all
+    or none: their prompts are token ids, their parameters passed validation.
 
-    request_id: str
-    prompt_token_ids: list[int]
+    `max_pending` is the server's admission limit, stated by the API process that sends it: the core
+    sees every API process's requests, so it is where one limit over all of them can be held. Over
+    it, each request fails with kind "overloaded" (a 503); admitted, `group_id` comes back in
+    `StepOutputs.admitted`.
+    """
+
+    group_id: str
+    request_ids: list[str]
+    prompts: list[list[int]]
     params: SamplingParams
     arrival_time: float
+    max_pending: int
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
@@ -53,6 +62,7 @@ class CoreStats(msgspec.Struct, array_like=True):
 
     engine: EngineStats
     num_preemptions: int
+    num_pending: int  # requests admitted and not finished, from every API process
 
 
 class TokenDelta(msgspec.Struct, array_like=True):
@@ -64,18 +74,21 @@ class TokenDelta(msgspec.Struct, array_like=True):
 
 
 class RequestFailed(msgspec.Struct, array_like=True):
-    """A request the core refused (`invalid`: the caller's fault, a 400) or lost (`engine`: a 500)."""
+    """A request the core refused (`invalid`: the caller's fault, a 400; `overloaded`: over the
+    admission limit, a 503) or lost (`engine`: a 500)."""
 
     request_id: str
-    kind: str  # "invalid" or "engine"
+    kind: str  # "invalid", "overloaded" or "engine"
     message: str
     param: str | None = None
 
 
 class StepOutputs(msgspec.Struct, tag="step", array_like=True):
-    """Everything one API process hears after a core iteration. step_seconds is None when the core
-    did not step (it only took messages, e.g. aborts, whose effect the stats show)."""
+    """Everything one API process hears after a core iteration: the groups (`AddRequest.group_id`)
+    it admitted, the requests' new tokens and failures, and the stats. step_seconds is None when the
+    core did not step (it only took messages, e.g. aborts, whose effect the stats show)."""
 
+    admitted: list[str]
     deltas: list[TokenDelta]
     failures: list[RequestFailed]
     stats: CoreStats

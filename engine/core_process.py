@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import shutil
 import signal
 import tempfile
@@ -25,6 +26,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
+from typing import Protocol
 
 import msgspec
 import zmq
@@ -57,8 +59,8 @@ class CoreStartupError(RuntimeError):
     """The engine core could not start (a bad model folder or option, or it died loading)."""
 
 
-def core_stats(engine: LLMEngine) -> CoreStats:
-    return CoreStats(engine.stats(), engine.scheduler.num_preemptions)
+def core_stats(engine: LLMEngine, num_pending: int = 0) -> CoreStats:
+    return CoreStats(engine.stats(), engine.scheduler.num_preemptions, num_pending)
 
 
 class EngineCore:
@@ -77,6 +79,7 @@ class EngineCore:
         self._owner: dict[str, bytes] = {}  # request id -> the API process (socket identity) it came from
         self._clients: set[bytes] = set()
         self._failures: defaultdict[bytes, list[RequestFailed]] = defaultdict(list)
+        self._admitted: defaultdict[bytes, list[str]] = defaultdict(list)
 
     def run(self) -> None:
         engine = self.engine
@@ -85,6 +88,8 @@ class EngineCore:
             took = self._take_messages(0 if busy else None)
             if self._stopping:
                 break
+            if self._admitted or self._failures:
+                self._send_verdicts()
             if engine.has_unfinished_requests():
                 self._step()
             elif took:
@@ -119,37 +124,18 @@ class EngineCore:
         engine = self.engine
         if isinstance(message, AddRequest):
             self._clients.add(client)
-            try:
-                engine.add_request(
-                    message.request_id, message.prompt_token_ids, message.params, message.arrival_time
-                )
-            except InvalidRequestError as error:
-                self._failures[client].append(
-                    RequestFailed(message.request_id, "invalid", error.message, error.param)
-                )
-                return
-            except Exception as error:  # a bad request fails alone; the loop goes on
-                logger.exception("add_request failed for %s", message.request_id)
-                self._failures[client].append(
-                    RequestFailed(
-                        message.request_id,
-                        "engine",
-                        f"the engine could not take the request: {type(error).__name__}",
-                    )
-                )
-                return
-            self._owner[message.request_id] = client
+            self._add(client, message)
         elif isinstance(message, AbortRequests):
             for request_id in message.request_ids:
                 if self._owner.pop(request_id, None) is not None:
                     self._abort(request_id)
         elif isinstance(message, ResetPrefixCache):
             try:
-                result = CallResult(message.call_id, engine.reset_prefix_cache(), core_stats(engine))
+                result = CallResult(message.call_id, engine.reset_prefix_cache(), self._stats())
             except Exception as error:
                 logger.exception("resetting the prefix cache failed")
                 result = CallResult(
-                    message.call_id, 0, core_stats(engine), f"reset failed: {type(error).__name__}"
+                    message.call_id, 0, self._stats(), f"reset failed: {type(error).__name__}"
                 )
             self.socket.send_multipart([client, _ENCODER.encode(result)])
         elif isinstance(message, Hello):
@@ -160,6 +146,42 @@ class EngineCore:
                 self._abort(request_id)
             self._clients.discard(client)
             self._failures.pop(client, None)
+            self._admitted.pop(client, None)
+
+    def _add(self, client: bytes, message: AddRequest) -> None:
+        """Admit the group whole, or fail each of its requests: over the admission limit
+        ("overloaded"), refused by the engine's own checks ("invalid"), or an engine fault."""
+        request_ids = message.request_ids
+        pending = len(self._owner)
+        if pending + len(request_ids) > message.max_pending:
+            reason = (
+                f"too many pending requests ({pending} accepted, at most {message.max_pending}); retry later"
+            )
+            self._failures[client].extend(RequestFailed(r, "overloaded", reason) for r in request_ids)
+            return
+        engine = self.engine
+        added: list[str] = []
+        for request_id, prompt in zip(request_ids, message.prompts, strict=True):
+            try:
+                engine.add_request(request_id, prompt, message.params, message.arrival_time)
+            except Exception as error:  # a bad request fails alone; the loop goes on
+                if isinstance(error, InvalidRequestError):
+                    failure = RequestFailed(request_id, "invalid", error.message, error.param)
+                else:
+                    logger.exception("add_request failed for %s", request_id)
+                    failure = RequestFailed(
+                        request_id, "engine", f"the engine could not take the request: {type(error).__name__}"
+                    )
+                for earlier in added:  # all or none: the group's other requests go too
+                    self._abort(earlier)
+                self._failures[client].extend(
+                    RequestFailed(r, failure.kind, failure.message, failure.param) for r in request_ids
+                )
+                return
+            added.append(request_id)
+        for request_id in added:
+            self._owner[request_id] = client
+        self._admitted[client].append(message.group_id)
 
     def _abort(self, request_id: str) -> None:
         try:
@@ -200,11 +222,31 @@ class EngineCore:
                 deltas[client].append(TokenDelta(output.request_id, output.new_token_ids))
         self._send_all(seconds, deltas)
 
+    def _send_verdicts(self) -> None:
+        """Tell the API processes at once which of their new requests were admitted or refused, so
+        that a refusal (a 503 or 400) does not wait for the step."""
+        stats = self._stats()
+        admitted, failures = self._admitted, self._failures
+        for client in list(admitted.keys() | failures.keys()):
+            message = StepOutputs(admitted.pop(client, []), [], failures.pop(client, []), stats)
+            self.socket.send_multipart([client, _ENCODER.encode(message)], copy=False)
+
+    def _stats(self) -> CoreStats:
+        return core_stats(self.engine, len(self._owner))
+
     def _send_all(self, step_seconds: float | None, deltas: dict[bytes, list[TokenDelta]]) -> None:
-        """One message to every known API process: its deltas and failures, and everyone's stats."""
-        stats = core_stats(self.engine)
+        """One message to every known API process: what it had admitted, its deltas and failures,
+        and everyone's stats."""
+        stats = self._stats()
+        admitted, failures = self._admitted, self._failures
         for client in self._clients:
-            message = StepOutputs(deltas.get(client, []), self._failures.pop(client, []), stats, step_seconds)
+            message = StepOutputs(
+                admitted.pop(client, []),
+                deltas.get(client, []),
+                failures.pop(client, []),
+                stats,
+                step_seconds,
+            )
             self.socket.send_multipart([client, _ENCODER.encode(message)], copy=False)
 
 
@@ -218,7 +260,9 @@ def run_engine_core(
     """The core process's main: build the engine, report `CoreInfo` (or the error) on the lifeline,
     then loop until the lifeline closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [core pid=%(process)d]: %(message)s"
+    )
     try:
         if setup is not None:
             setup()
@@ -259,6 +303,48 @@ def core_info(engine: LLMEngine) -> CoreInfo:
         config=engine.config_dict(),
         stats=core_stats(engine),
     )
+
+
+class CoreHandle(Protocol):
+    """What an API process needs of a running core: the address to connect to, what it serves, and
+    a file descriptor that becomes readable when the core process ends."""
+
+    address: str
+    info: CoreInfo
+
+    @property
+    def sentinel(self) -> int: ...
+
+    def is_alive(self) -> bool: ...
+
+    @property
+    def exitcode(self) -> int | None: ...
+
+
+class RemoteCore:
+    """A core that another process launched, as the API processes of `--api-server-count N` see it:
+    picklable under spawn (the watch pipe, a copy of the core process's sentinel, travels as a
+    duplicated descriptor), so a process that is not the core's parent still learns of its end."""
+
+    def __init__(self, address: str, info: CoreInfo, watch: multiprocessing.connection.Connection) -> None:
+        self.address = address
+        self.info = info
+        self._watch = watch
+
+    @property
+    def sentinel(self) -> int:
+        return self._watch.fileno()
+
+    def is_alive(self) -> bool:
+        return not self._watch.poll()  # the pipe reads EOF once the core has exited
+
+    @property
+    def exitcode(self) -> int | None:
+        return None  # known only to the core's parent
+
+    def close(self) -> None:
+        """Drop this process's copy of the watch pipe (once the handle has been passed on)."""
+        self._watch.close()
 
 
 class CoreProcess:
@@ -323,6 +409,11 @@ class CoreProcess:
 
     def is_alive(self) -> bool:
         return self.process.is_alive()
+
+    def remote(self) -> RemoteCore:
+        """A handle for a process this one spawns (pass it as a Process argument, then close it)."""
+        watch = multiprocessing.connection.Connection(os.dup(self.process.sentinel), writable=False)
+        return RemoteCore(self.address, self.info, watch)
 
     @property
     def exitcode(self) -> int | None:

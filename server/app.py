@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 
 import engine as engine_package
 from engine import InvalidRequestError, RequestOutput, SamplingParams
-from engine.core_process import CoreProcess
+from engine.core_process import CoreHandle
 from engine.validation import RequestValidator
 from server.async_engine import AdmissionError, AsyncEngine, EngineLoopError, RequestStream
 from server.errors import (
@@ -139,7 +139,8 @@ class _Server:
             raise APIError(404, f"The model `{model}` does not exist.", "model")
 
     def check_admission(self, count: int) -> None:
-        """Fail fast, before tokenizing; `submit` checks again, atomically, when it adds."""
+        """Fail fast, before tokenizing, on what this process knows; the core, which sees every API
+        process's requests, decides when `submit` sends them."""
         try:
             self.async_engine.check_admission(count)
         except AdmissionError as error:
@@ -164,11 +165,19 @@ class _Server:
             return [self.validator.validate(p, params) for p in prompts]
         return await asyncio.to_thread(lambda: [self.validator.validate(p, params) for p in prompts])
 
-    def submit(self, request_id: str, token_lists: list[list[int]], params: SamplingParams) -> RequestStream:
+    async def submit(
+        self, request_id: str, token_lists: list[list[int]], params: SamplingParams
+    ) -> RequestStream:
+        """Send the requests and wait for the core to admit them: a refusal is still a 503 (over the
+        limit, counted over every API process), a 400 or a 500, not an error inside a stream."""
         try:
-            return self.async_engine.add(request_id, token_lists, params)
+            stream = self.async_engine.add(request_id, token_lists, params)
+            await stream.admitted()
         except AdmissionError as error:
             raise self._rejected(error) from error
+        except EngineLoopError as error:
+            raise APIError(500, str(error)) from error
+        return stream
 
     async def run(
         self,
@@ -180,7 +189,7 @@ class _Server:
         stream: bool,
         include_usage: bool,
     ) -> Response:
-        engine_stream = self.submit(response_id, token_lists, params)
+        engine_stream = await self.submit(response_id, token_lists, params)
         num_prompt_tokens = sum(len(ids) for ids in token_lists)
         if stream:
             encoder = ChunkEncoder(kind, response_id, self.model_name, int(time.time()))
@@ -253,22 +262,24 @@ async def _events(
 
 
 def create_app(
-    core: CoreProcess,
+    core: CoreHandle,
     served_model_name: str | None = None,
     max_pending: int | None = None,
     shutdown_timeout: float = 30.0,
     api_key: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    metrics: ServerMetrics | None = None,
 ) -> FastAPI:
     """An app serving the engine `core` (started by its caller, who also stops it); its lifespan
-    connects to the core and on shutdown drains this app's requests and disconnects.
+    connects to the core and on shutdown drains this app's requests and disconnects. `metrics`: one
+    of several API processes passes its multiprocess-mode ServerMetrics.
 
     With `api_key`, every `/v1/` route needs `Authorization: Bearer <api_key>` (guards.py).
     """
     info = core.info
     tokenizer = load_tokenizer(info.model)
     validator = RequestValidator(tokenizer, info.vocab_size, info.max_model_len)
-    metrics = ServerMetrics()
+    metrics = metrics or ServerMetrics()
     async_engine = AsyncEngine(core, tokenizer, max_pending=max_pending, observer=metrics)
     server = _Server(validator, served_model_name or info.model, async_engine, metrics)
 
@@ -358,7 +369,7 @@ def create_app(
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        return Response(metrics.render(async_engine.num_pending), media_type=CONTENT_TYPE)
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> dict[str, int]:

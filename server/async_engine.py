@@ -24,7 +24,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from engine import EngineStats, InvalidRequestError, RequestOutput, SamplingParams
+from engine import InvalidRequestError, RequestOutput, SamplingParams
 from engine.core_messages import (
     OUTPUT_DECODER,
     AbortRequests,
@@ -37,7 +37,7 @@ from engine.core_messages import (
     ResetPrefixCache,
     StepOutputs,
 )
-from engine.core_process import CoreProcess
+from engine.core_process import CoreHandle
 from engine.output_processor import OutputProcessor, ended_by_text
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class LoopObserver(Protocol):
 
     def on_request_finished(self, finish_reason: str, seconds_since_arrival: float) -> None: ...
 
-    def on_stats(self, stats: EngineStats, num_preemptions: int) -> None: ...
+    def on_stats(self, stats: CoreStats) -> None: ...
 
 
 @dataclass
@@ -84,14 +84,33 @@ class RequestStream:
     An output that arrives while the previous one of the same request is still unread joins it (both
     deltas, the later totals), as vLLM's output collector does: a server that falls behind the engine
     sends fewer, larger chunks instead of falling further behind.
+
+    `admitted` waits for the core's verdict on the group: it returns once the core has taken the
+    requests, and raises AdmissionError (over the limit), InvalidRequestError or EngineLoopError if
+    it refused them, so that the answer can still be a 503 or 400 rather than a stream's error event.
     """
 
-    def __init__(self, owner: AsyncEngine, request_ids: list[str]) -> None:
+    def __init__(self, owner: AsyncEngine, group_id: str, request_ids: list[str]) -> None:
+        self.group_id = group_id
         self.request_ids = request_ids
         self._owner = owner
         self._items: deque[tuple[int, RequestOutput | Exception]] = deque()
         self._ready = asyncio.Event()
         self._unfinished = set(range(len(request_ids)))
+        self._verdict: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    async def admitted(self) -> None:
+        await self._verdict
+
+    def _settle(self, error: Exception | None = None) -> None:
+        verdict = self._verdict
+        if verdict.done():
+            return
+        if error is None:
+            verdict.set_result(None)
+        else:
+            verdict.set_exception(error)
+            verdict.exception()  # retrieved: the stream raises it too, to whoever iterates
 
     @property
     def finished(self) -> bool:
@@ -99,6 +118,7 @@ class RequestStream:
 
     def _put(self, index: int, item: RequestOutput | Exception) -> bool:
         """Called on the event loop; True when this was index's final item."""
+        self._settle(item if isinstance(item, Exception) else None)
         items = self._items
         unread = items[-1] if items else None
         if (
@@ -141,7 +161,7 @@ class AsyncEngine:
 
     def __init__(
         self,
-        core: CoreProcess,
+        core: CoreHandle,
         tokenizer: Any,
         max_pending: int | None = None,
         observer: LoopObserver | None = None,
@@ -155,6 +175,7 @@ class AsyncEngine:
         self.snapshot: CoreStats = core.info.stats  # the engine's latest figures, for /metrics
         self._outputs = OutputProcessor(tokenizer)
         self._in_flight: dict[str, _InFlight] = {}
+        self._awaiting_verdict: dict[str, RequestStream] = {}  # group id -> its stream
         self._calls: dict[int, asyncio.Future[int]] = {}
         self._call_ids = itertools.count()
         self._encoder = msgspec.msgpack.Encoder()
@@ -243,12 +264,14 @@ class AsyncEngine:
 
     # -- requests ----------------------------------------------------------------------------------
     def add(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> RequestStream:
-        """Admit and send len(prompts) engine requests (already validated); raises AdmissionError."""
+        """Send len(prompts) engine requests (already validated) to the core, which admits them all or
+        none (await the stream's `admitted`); raises AdmissionError at once when this process alone
+        is over the limit, or is shutting down, or has lost the core."""
         self.check_admission(len(prompts))
         request_ids = (
             [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         )
-        stream = RequestStream(self, request_ids)
+        stream = RequestStream(self, request_id, request_ids)
         self._idle.clear()
         now = time.monotonic()
         observer = self.observer
@@ -256,14 +279,16 @@ class AsyncEngine:
             rid = request_ids[index]
             self._outputs.add(rid, token_ids, params)
             self._in_flight[rid] = _InFlight(stream, index, now)
-            self._send(AddRequest(rid, token_ids, params, now))
             if observer:
                 observer.on_request_added(len(token_ids))
+        self._awaiting_verdict[request_id] = stream
+        self._send(AddRequest(request_id, request_ids, prompts, params, now, self.max_pending))
         return stream
 
     def check_admission(self, count: int) -> None:
-        """Raise AdmissionError unless `count` more requests fit under max_pending right now, and
-        InvalidRequestError (a 400) for a batch that could never fit, even on an idle server."""
+        """Raise AdmissionError unless `count` more requests fit under max_pending as far as this
+        process knows (the core holds the limit over every API process), and InvalidRequestError (a
+        400) for a batch that could never fit, even on an idle server."""
         if count > self.max_pending:
             raise InvalidRequestError(
                 f"a batch of {count} prompts is more than the server ever accepts at once ({self.max_pending}, --max-pending)",
@@ -287,6 +312,7 @@ class AsyncEngine:
             if entry is None:  # finished already
                 continue
             ended.append(request_id)
+            self._awaiting_verdict.pop(entry.stream.group_id, None)
             self._outputs.discard(request_id)
             entry.stream._put(entry.index, RequestOutput.aborted(request_id))
             if self.observer:
@@ -324,6 +350,10 @@ class AsyncEngine:
         in_flight = self._in_flight
         observer = self.observer
         now = time.monotonic()
+        for group_id in message.admitted:
+            admitted = self._awaiting_verdict.pop(group_id, None)
+            if admitted is not None:
+                admitted._settle()
         num_new_tokens = 0
         stopped: list[str] = []
         for delta in message.deltas:
@@ -348,11 +378,14 @@ class AsyncEngine:
             if entry is None:
                 continue
             self._outputs.discard(failure.request_id)
-            error: Exception = (
-                InvalidRequestError(failure.message, failure.param)
-                if failure.kind == "invalid"
-                else EngineLoopError(failure.message)
-            )
+            self._awaiting_verdict.pop(entry.stream.group_id, None)
+            error: Exception
+            if failure.kind == "invalid":
+                error = InvalidRequestError(failure.message, failure.param)
+            elif failure.kind == "overloaded":
+                error = AdmissionError(failure.message)
+            else:
+                error = EngineLoopError(failure.message)
             entry.stream._put(entry.index, error)
         if stopped:
             self._send(AbortRequests(stopped))
@@ -376,7 +409,7 @@ class AsyncEngine:
     def _publish(self, stats: CoreStats) -> None:
         self.snapshot = stats
         if self.observer:
-            self.observer.on_stats(stats.engine, stats.num_preemptions)
+            self.observer.on_stats(stats)
 
     # -- the core's death --------------------------------------------------------------------------
     def _core_exited(self) -> None:
@@ -399,6 +432,7 @@ class AsyncEngine:
             self._outputs.discard(request_id)
             entry.stream._put(entry.index, EngineLoopError(message))
         self._in_flight.clear()
+        self._awaiting_verdict.clear()
         for done in self._calls.values():
             if not done.done():
                 done.set_exception(EngineLoopError(message))

@@ -1,15 +1,22 @@
 """Prometheus metrics of one app, in a registry of its own (never the process-global one).
 
-The engine loop thread feeds `ServerMetrics` through the LoopObserver methods (prometheus_client's
-metrics are thread-safe); `GET /metrics` renders the registry with `render`. The process's own
-figures (process_resident_memory_bytes, ...) come along; while tracemalloc traces (cli.py starts it
-under PAGED_ENGINE_TRACEMALLOC=1), so does the Python heap as it counts it (the soak test reads both).
+Two sources. What the engine core counts (its gauges, preemptions, prefix cache lookups, the
+requests pending over every API process) is the same in every API process: each renders the latest
+`CoreStats` it heard at scrape time (`CoreFigures`). What an API process sees of its own requests
+(arrivals, first tokens, finishes, rejections, tokens streamed) is counted where it happens; with
+several API processes (`python -m server --api-server-count N`) those counters and histograms live in
+prometheus_client's multiprocess files (`multiprocess_dir`, the launcher's PROMETHEUS_MULTIPROC_DIR)
+and any process's /metrics sums them, and only the first process records the step times, which every
+process hears. The answering process's own figures (process_resident_memory_bytes, ...) come along;
+while tracemalloc traces (cli.py starts it under PAGED_ENGINE_TRACEMALLOC=1), so does the Python heap
+as it counts it (the soak test reads both).
 """
 
 from __future__ import annotations
 
 import gc
 import tracemalloc
+from collections.abc import Iterator
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -19,9 +26,12 @@ from prometheus_client import (
     Histogram,
     ProcessCollector,
     generate_latest,
+    multiprocess,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
-from engine import EngineStats
+from engine.core_messages import CoreStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -68,55 +78,75 @@ _STEP_BUCKETS = (
 )
 
 
+class CoreFigures(Collector):
+    """The engine core's own figures, from the latest `CoreStats` an API process heard: counted once
+    however many API processes serve them (the core's counters are totals since its start)."""
+
+    def __init__(self, stats: CoreStats | None = None) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.stats
+        if stats is None:
+            return
+        engine = stats.engine
+        gauges = (
+            ("engine_requests_running", "Requests the scheduler is running.", engine.num_running),
+            ("engine_requests_waiting", "Requests waiting to be scheduled.", engine.num_waiting),
+            (
+                "server_requests_pending",
+                "Requests admitted and not finished, over every API process (the admission count).",
+                stats.num_pending,
+            ),
+            ("engine_kv_blocks_used", "KV cache blocks referenced by a request.", engine.kv_blocks_used),
+            (
+                "engine_kv_blocks_cached",
+                "KV cache blocks no request references, kept for the prefix cache (evicted when needed).",
+                engine.kv_blocks_cached,
+            ),
+            ("engine_kv_blocks_total", "KV cache blocks in all.", engine.kv_blocks_total),
+        )
+        for name, documentation, value in gauges:
+            yield GaugeMetricFamily(name, documentation, value=value)
+        # vLLM's prefix_cache_queries and prefix_cache_hits: tokens of admitted requests looked up, and
+        # of those the tokens found cached; hits / queries is the hit rate.
+        counters = (
+            (
+                "engine_prefix_cache_queries",
+                "Tokens of admitted requests looked up in the prefix cache.",
+                engine.prefix_cache_queries,
+            ),
+            (
+                "engine_prefix_cache_hits",
+                "Tokens of admitted requests found in the prefix cache (not computed).",
+                engine.prefix_cache_hits,
+            ),
+            ("engine_preemptions", "Sequences preempted for lack of KV blocks.", stats.num_preemptions),
+        )
+        for name, documentation, value in counters:
+            yield CounterMetricFamily(name, documentation, value=value)
+
+
 class ServerMetrics:
-    def __init__(self) -> None:
+    """`multiprocess_dir`: this is one of several API processes, whose counters meet there;
+    `records_steps`: this process records the core's step times (one of the several does)."""
+
+    def __init__(self, multiprocess_dir: str | None = None, records_steps: bool = True) -> None:
+        self.multiprocess_dir = multiprocess_dir
+        self.records_steps = records_steps
+        self.core = CoreFigures()
         self.registry = CollectorRegistry()
         registry = self.registry
-        ProcessCollector(registry=registry)  # process_resident_memory_bytes, cpu seconds, open fds
         self.python_heap = Gauge(
             "server_python_heap_traced_bytes",
             "Python heap in use as tracemalloc counts it (only while tracing: PAGED_ENGINE_TRACEMALLOC=1).",
             registry=registry,
-        )
-        self.requests_running = Gauge(
-            "engine_requests_running", "Requests the scheduler is running.", registry=registry
-        )
-        self.requests_waiting = Gauge(
-            "engine_requests_waiting", "Requests waiting to be scheduled.", registry=registry
-        )
-        self.requests_pending = Gauge(
-            "server_requests_pending",
-            "Requests accepted and not finished (admission count).",
-            registry=registry,
-        )
-        self.kv_blocks_used = Gauge(
-            "engine_kv_blocks_used", "KV cache blocks referenced by a request.", registry=registry
-        )
-        self.kv_blocks_cached = Gauge(
-            "engine_kv_blocks_cached",
-            "KV cache blocks no request references, kept for the prefix cache (evicted when needed).",
-            registry=registry,
-        )
-        self.kv_blocks_total = Gauge("engine_kv_blocks_total", "KV cache blocks in all.", registry=registry)
-        # vLLM's prefix_cache_queries and prefix_cache_hits: tokens of admitted requests looked up, and
-        # of those the tokens found cached; hits / queries is the hit rate.
-        self.prefix_cache_queries = Counter(
-            "engine_prefix_cache_queries",
-            "Tokens of admitted requests looked up in the prefix cache.",
-            registry=registry,
-        )
-        self.prefix_cache_hits = Counter(
-            "engine_prefix_cache_hits",
-            "Tokens of admitted requests found in the prefix cache (not computed).",
-            registry=registry,
+            multiprocess_mode="liveall",
         )
         self.prompt_tokens = Counter(
             "engine_prompt_tokens", "Prompt tokens of accepted requests.", registry=registry
         )
         self.generation_tokens = Counter("engine_generation_tokens", "Tokens generated.", registry=registry)
-        self.preemptions = Counter(
-            "engine_preemptions", "Sequences preempted for lack of KV blocks.", registry=registry
-        )
         self.request_success = Counter(
             "engine_request_success",
             "Requests finished, by finish reason.",
@@ -144,16 +174,21 @@ class ServerMetrics:
             buckets=_STEP_BUCKETS,
             registry=registry,
         )
-        self._num_preemptions = 0
-        self._prefix_cache_queries = 0
-        self._prefix_cache_hits = 0
+        if multiprocess_dir is None:
+            self._rendered = registry
+        else:  # the files of every API process, summed; the core's figures; this process's own
+            self._rendered = CollectorRegistry()
+            multiprocess.MultiProcessCollector(self._rendered, path=multiprocess_dir)
+        self._rendered.register(self.core)
+        ProcessCollector(registry=self._rendered)  # process_resident_memory_bytes, cpu seconds, open fds
 
-    # -- LoopObserver (called from the engine thread) -------------------------------------------
+    # -- LoopObserver (called on the event loop as the core's outputs arrive) --------------------
     def on_request_added(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)
 
     def on_step(self, step_seconds: float, num_new_tokens: int) -> None:
-        self.step_time.observe(step_seconds)
+        if self.records_steps:
+            self.step_time.observe(step_seconds)
         if num_new_tokens:
             self.generation_tokens.inc(num_new_tokens)
 
@@ -164,28 +199,14 @@ class ServerMetrics:
         self.request_success.labels(finished_reason=finish_reason).inc()
         self.e2e_latency.observe(seconds_since_arrival)
 
-    def on_stats(self, stats: EngineStats, num_preemptions: int) -> None:
-        self.requests_running.set(stats.num_running)
-        self.requests_waiting.set(stats.num_waiting)
-        self.kv_blocks_used.set(stats.kv_blocks_used)
-        self.kv_blocks_cached.set(stats.kv_blocks_cached)
-        self.kv_blocks_total.set(stats.kv_blocks_total)
-        # The engine counts since its start; the counters advance by what is new.
-        if num_preemptions > self._num_preemptions:
-            self.preemptions.inc(num_preemptions - self._num_preemptions)
-        self._num_preemptions = num_preemptions
-        if stats.prefix_cache_queries > self._prefix_cache_queries:
-            self.prefix_cache_queries.inc(stats.prefix_cache_queries - self._prefix_cache_queries)
-            self.prefix_cache_hits.inc(stats.prefix_cache_hits - self._prefix_cache_hits)
-        self._prefix_cache_queries = stats.prefix_cache_queries
-        self._prefix_cache_hits = stats.prefix_cache_hits
+    def on_stats(self, stats: CoreStats) -> None:
+        self.core.stats = stats
 
     # -- rendering (event loop) ------------------------------------------------------------------
-    def render(self, num_pending: int) -> bytes:
-        self.requests_pending.set(num_pending)
+    def render(self) -> bytes:
         if tracemalloc.is_tracing():
             # A diagnostic mode: collect first, so the figure is the live heap, not cyclic garbage
             # waiting for the collector (which would make it rise and fall with the collector's timing).
             gc.collect()
             self.python_heap.set(tracemalloc.get_traced_memory()[0])
-        return generate_latest(self.registry)
+        return generate_latest(self._rendered)

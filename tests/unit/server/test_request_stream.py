@@ -26,7 +26,7 @@ def output(request_id: str, ids: list[int], text: str, done: bool = False) -> Re
 
 
 def stream(*request_ids: str) -> RequestStream:
-    return RequestStream(owner=None, request_ids=list(request_ids))  # type: ignore[arg-type]  # never aborted here
+    return RequestStream(owner=None, group_id="g", request_ids=list(request_ids))  # type: ignore[arg-type]  # never aborted here
 
 
 async def read(s: RequestStream) -> list[tuple[int, RequestOutput]]:
