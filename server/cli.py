@@ -1,35 +1,30 @@
 """`python -m server --model DIR ...`: parse flags, start the engine core's process, serve the app.
 
 Engine flags are spelled as vLLM spells them and mapped onto EngineArgs fields; the engine core gets
-them in its own process (engine/core_process.py) and this process serves HTTP. `DrainingServer` adds
-a graceful shutdown to uvicorn's: on SIGTERM/SIGINT new requests get 503 while the accepted ones
+them in its own process (engine/core_process.py) and this process serves HTTP through uvicorn with a
+draining shutdown (server/serving.py): on SIGTERM/SIGINT new requests get 503 while the accepted ones
 finish (up to --shutdown-timeout, then they are aborted), then uvicorn closes, the core is stopped
 and the process exits 0. A second signal exits at once. If the core dies, the requests in flight
-fail, /health answers 503 and the process exits 1.
+fail, /health answers 503 and the process exits 1. With `--api-server-count N` (N > 1) this process
+only supervises N API processes that serve the port (server/api_processes.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import importlib.util
 import logging
 import os
-import signal
-import socket
 import sys
 import tracemalloc
 from collections.abc import Callable, Sequence
-from types import FrameType
-
-import uvicorn
 
 from engine import EngineArgs
 from engine.attention import BACKEND_NAMES
 from engine.core_process import CoreProcess, CoreStartupError
+from server.api_processes import serve_with_api_processes
 from server.app import create_app
-from server.async_engine import AsyncEngine
 from server.guards import DEFAULT_MAX_REQUEST_BYTES
+from server.serving import DrainingServer, uvicorn_config
 
 logger = logging.getLogger("server")
 
@@ -53,21 +48,6 @@ ENGINE_FLAGS: tuple[tuple[str, str, type, str], ...] = (
 )
 API_KEY_ENV = "PAGED_ENGINE_API_KEY"
 TRACEMALLOC_ENV = "PAGED_ENGINE_TRACEMALLOC"  # set (to anything): trace the Python heap for /metrics
-DRAIN_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-UVICORN_GRACE_SECONDS = 5  # after the drain, for connections that still do not close
-
-
-def http_stack() -> tuple[str, str]:
-    """uvicorn's HTTP parser and event loop: httptools and uvloop where installed (the server extra
-    installs both; uvloop has no Windows build), else h11 and asyncio.
-
-    Each streamed token is an SSE event the event loop writes, on the thread that shares the GIL with
-    the engine loop; with httptools and uvloop the server spent 22.7 us of CPU a token instead of
-    29-30 on h11 and asyncio (`python -m bench host-cost`, 64 streams, 2-core machine).
-    """
-    http = "httptools" if importlib.util.find_spec("httptools") else "h11"
-    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
-    return http, loop
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,6 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     parser.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per request")
+    parser.add_argument(
+        "--api-server-count",
+        type=_positive_int,
+        default=1,
+        help="API processes serving the port in front of the one engine core (vLLM's name); more than "
+        "one spreads tokenization, detokenization and SSE over more cores (default: %(default)s)",
+    )
     engine_group = parser.add_argument_group("engine")
     for flag, field, kind, help_text in ENGINE_FLAGS:
         engine_group.add_argument(flag, dest=field, type=kind, default=None, help=help_text)
@@ -133,6 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def engine_args(args: argparse.Namespace) -> EngineArgs:
     """EngineArgs from the parsed flags; flags not given keep EngineArgs' defaults."""
     given = {
@@ -141,67 +135,6 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         if name != "model" and getattr(args, name, None) is not None
     }
     return EngineArgs(model=args.model, **given)
-
-
-class DrainingServer(uvicorn.Server):
-    """uvicorn.Server whose first SIGTERM/SIGINT drains the engine before uvicorn shuts down."""
-
-    def __init__(
-        self, config: uvicorn.Config, async_engine: AsyncEngine, shutdown_timeout: float, model_name: str
-    ) -> None:
-        super().__init__(config)
-        self.async_engine = async_engine
-        self.shutdown_timeout = shutdown_timeout
-        self.model_name = model_name
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._drain_task: asyncio.Task[None] | None = None
-        self._signalled = False
-        self.core_lost = False
-        async_engine.on_core_lost = self._on_core_lost
-
-    def _on_core_lost(self) -> None:
-        """The requests in flight have failed already: nothing to drain, exit now (status 1)."""
-        self.core_lost = True
-        self.should_exit = True
-
-    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
-        self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets)
-        if self.started and self.servers and self.servers[0].sockets:
-            host, port = self.servers[0].sockets[0].getsockname()[:2]
-            logger.info(
-                "ready: serving %r at http://%s:%d (engine on %s; HTTP %s, event loop %s)",
-                self.model_name,
-                host,
-                port,
-                self.async_engine.core.info.device,
-                self.config.http,
-                self.config.loop,
-            )
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        # Runs as a signal handler on the event loop's thread; uvicorn's own version would also
-        # re-raise the signal after shutdown, turning a clean drain into exit status -15.
-        if self._signalled or self._loop is None:
-            logger.warning("second signal: exiting now")
-            self.should_exit = True
-            self.force_exit = True
-            return
-        self._signalled = True
-        logger.info("signal %d: refusing new requests, draining", sig)
-        self._loop.call_soon_threadsafe(self._start_drain)
-
-    def _start_drain(self) -> None:
-        self._drain_task = asyncio.ensure_future(self._drain())
-
-    async def _drain(self) -> None:
-        try:
-            await self.async_engine.drain(self.shutdown_timeout)
-        finally:
-            self.should_exit = True
 
 
 def main(argv: Sequence[str] | None = None, core_setup: Callable[[], None] | None = None) -> int:
@@ -219,6 +152,10 @@ def main(argv: Sequence[str] | None = None, core_setup: Callable[[], None] | Non
         logger.error("cannot start the engine: %s", error)
         return 2
     try:
+        if args.api_key:
+            logger.info("an API key is required on /v1/ routes")
+        if args.api_server_count > 1:
+            return serve_with_api_processes(args, core)
         return _serve(args, core)
     finally:
         core.shutdown()
@@ -233,26 +170,12 @@ def _serve(args: argparse.Namespace, core: CoreProcess) -> int:
         api_key=args.api_key,
         max_request_bytes=args.max_request_bytes,
     )
-    if args.api_key:
-        logger.info("an API key is required on /v1/ routes")
-    http, loop = http_stack()
-    config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        http=http,
-        loop=loop,
-        log_level=args.log_level,
-        access_log=not args.disable_uvicorn_access_log,
-        timeout_graceful_shutdown=UVICORN_GRACE_SECONDS,
-        lifespan="on",
-    )
     if os.environ.get(TRACEMALLOC_ENV):
         # Started once the engine is built: tracing torch's imports from the start (PYTHONTRACEMALLOC)
         # takes minutes. /metrics then shows the heap (server_python_heap_traced_bytes).
         tracemalloc.start()
     server = DrainingServer(
-        config, app.state.async_engine, args.shutdown_timeout, app.state.served_model_name
+        uvicorn_config(args, app), app.state.async_engine, args.shutdown_timeout, app.state.served_model_name
     )
     server.run()
     if server.core_lost:

@@ -100,6 +100,8 @@ class LiveServer:
 
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
+CORE_PID = re.compile(r"\[core pid=(\d+)\]")
+API_PID = re.compile(r"\[api \d+ pid=(\d+)\]")
 READY = re.compile(r"ready: serving .* at (http://127\.0\.0\.1:\d+)")
 # The defaults of a server process; flags given to ServerProcess come later, so they win (argparse).
 PROCESS_FLAGS = (
@@ -150,14 +152,13 @@ class ServerProcess:
         return sum(_rss_bytes(pid) for pid in [self.process.pid, *child_pids(self.process.pid)])
 
     def core_pid(self) -> int:
-        """The engine core's process: the server's child started by multiprocessing's spawn (the
-        other child is multiprocessing's resource tracker)."""
-        [pid] = [
-            pid
-            for pid in child_pids(self.process.pid)
-            if b"multiprocessing.spawn" in Path(f"/proc/{pid}/cmdline").read_bytes()
-        ]
+        """The engine core's process, as its log lines name it."""
+        [pid] = {int(pid) for pid in CORE_PID.findall(self.log_text())}
         return pid
+
+    def api_pids(self) -> list[int]:
+        """The API processes of `--api-server-count N` (N > 1), as their log lines name them."""
+        return sorted({int(pid) for pid in API_PID.findall(self.log_text())})
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
