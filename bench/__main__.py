@@ -309,6 +309,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="leave the prefix cache on (each target's default; the perf tier's prefix-cache cases), and "
         "start vLLM with VLLM_SERVER_DEV_MODE=1 so that it serves POST /reset_prefix_cache",
     )
+    serve.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="one more flag for the target's server, after its usual ones (repeatable; give it with "
+        "'=' when it starts with '-': --server-arg=--api-server-count=2)",
+    )
     serve.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for /health")
     serve.add_argument("--log", help="server log (default perf-out/TARGET-server.log)")
     serve.add_argument("--info", help="description JSON to write (default perf-out/TARGET-server.json)")
@@ -507,6 +515,7 @@ def command_serve(args: argparse.Namespace) -> int:
         spec.args = cache_on_args(spec.args)
         if args.target == "vllm":
             os.environ.update(VLLM_RESET_ENV)  # ServerProcess passes this process's environment on
+    spec.args = [*spec.args, *args.server_arg]
     process = ServerProcess(spec, args.log or f"perf-out/{args.target}-server.log")
     try:
         process.start(timeout_s=args.timeout)  # stops the server itself if it never becomes healthy

@@ -101,12 +101,22 @@ def steady_step_seconds(timed_run: Callable[[int], float], steps: int) -> float:
 
 
 def profile_batch(
-    engine: LLMEngine, batch: int, context: int, steps: int, max_model_len: int, trace: str | None
+    engine: LLMEngine,
+    batch: int,
+    context: int,
+    steps: int,
+    max_model_len: int,
+    trace: str | None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
 ) -> tuple[dict[str, Any], Any]:
     """Fill the engine with `batch` sequences of `context` prompt tokens, prefill them, time runs of
     `steps` and 2 x `steps` decode steps (steady_step_seconds), then profile `steps` more; abort them
-    all at the end, so the next batch starts empty."""
-    params = SamplingParams(max_tokens=max_model_len - context, temperature=0.0, ignore_eos=True)
+    all at the end, so the next batch starts empty. Greedy unless `temperature` says otherwise (the
+    sampled step's own costs: the sampler after the graph)."""
+    params = SamplingParams(
+        max_tokens=max_model_len - context, temperature=temperature, top_p=top_p, ignore_eos=True
+    )
     request_ids = [f"profile-{batch}-{i}" for i in range(batch)]
     before = engine.stats()
     for i, request_id in enumerate(request_ids):
@@ -147,6 +157,8 @@ def profile_batch(
     figures: dict[str, Any] = {
         "batch": batch,
         "context": context,
+        "temperature": temperature,
+        "top_p": top_p,
         "step_ms": step_s * 1e3,
         "tok_s": batch / step_s,
         "bytes_per_step": moved,
@@ -234,6 +246,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=10,
         help="decode steps: runs of this many and twice as many timed, then this many profiled",
     )
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="0 (default): greedy; above 0: sampled steps"
+    )
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temperature)")
     parser.add_argument("--max-model-len", type=int, default=4352)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--trace", help="write a Chrome trace here (one a batch: NAME-bB.json)")
@@ -258,6 +274,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             args.steps,
             args.max_model_len,
             _trace_path(args.trace, batch, args.batch),
+            args.temperature,
+            args.top_p,
         )
         figures["ceiling_fraction"] = figures["achieved_gbs"] / ceiling if ceiling else None
         results.append(figures)

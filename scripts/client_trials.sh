@@ -11,9 +11,12 @@
 # env:   TARGETS ("vllm engine"), RUNS (2), WARMUP_PROMPTS (64), PERF_VLLM_ENV (a staged vLLM's env
 #        file, sourced for vLLM's server and client only; see bench/launch.py), DTYPE (bfloat16),
 #        CONCURRENCIES (e.g. "64 256": each run is repeated at each --max-concurrency, on one server
-#        start; the flags then should not give --max-concurrency themselves)
+#        start; the flags then should not give --max-concurrency themselves), SERVER_ARGS (more flags
+#        for every target's server, e.g. "--api-server-count=2")
 # Writes OUT_DIR/TARGET[-cC]-N.json (vLLM's result files), OUT_DIR/TARGET-server.log, OUT_DIR/summary.json
-# (by target, and by concurrency where CONCURRENCIES is set).
+# (by target, and by concurrency where CONCURRENCIES is set). Each run also records the CPU seconds
+# the server's whole process tree spent (API processes and engine core, either target's), reported
+# per 1,000 output tokens.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 usage="usage: scripts/client_trials.sh MODEL_DIR OUT_DIR [vllm bench serve flags...]"
@@ -27,12 +30,17 @@ vllm_client() {  # FLAGS...: vLLM's client, with the staged site's env file sour
     --metric-percentiles 50,99 "$@")
   if [ -n "${PERF_VLLM_ENV:-}" ]; then bash -c 'source "$0" && exec "$@"' "$PERF_VLLM_ENV" "${cmd[@]}"; else "${cmd[@]}"; fi
 }
+tree_cpu() {  # PID: CPU seconds of the process and its descendants so far
+  python3 -c 'import sys; from bench.host_cost import process_tree_cpu_seconds as t; print(t(int(sys.argv[1])))' "$1"
+}
+server_args=()
+for flag in ${SERVER_ARGS:-}; do server_args+=("--server-arg=$flag"); done
 status=0
 for target in ${TARGETS:-vllm engine}; do
   info=$out/$target-server.json
   echo "== $target: starting its server"
   if ! python3 -m bench serve --target "$target" --model "$model" --dtype "${DTYPE:-bfloat16}" \
-    --info "$info" --log "$out/$target-server.log" >"$out/$target-start.log" 2>&1; then
+    --info "$info" --log "$out/$target-server.log" "${server_args[@]}" >"$out/$target-start.log" 2>&1; then
     tail -n 30 "$out/$target-start.log" "$out/$target-server.log"; status=3; continue
   fi
   base_url=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["base_url"])' "$info")
@@ -46,8 +54,11 @@ for target in ${TARGETS:-vllm engine}; do
     if [ "$concurrency" != default ]; then level=(--max-concurrency "$concurrency") tag=$target-c$concurrency; fi
     for run in $(seq 1 "${RUNS:-2}"); do
       echo "== $tag: run $run"
+      cpu_before=$(tree_cpu "$pid")
       vllm_client "${common[@]}" "$@" "${level[@]}" --result-dir "$out" --result-filename "$tag-$run.json" \
         >"$out/$tag-$run.log" 2>&1 || { tail -n 30 "$out/$tag-$run.log"; status=4; }
+      python3 -c 'import sys; print(float(sys.argv[2]) - float(sys.argv[1]))' "$cpu_before" "$(tree_cpu "$pid")" \
+        >"$out/$tag-$run.cpu"
     done
   done
   kill -TERM -- "-$pid" 2>/dev/null
@@ -63,14 +74,19 @@ for target in tags:
     runs = []
     for path in sorted(out.glob(f"{target}-[0-9]*.json")):
         data = json.loads(path.read_text())
+        cpu = path.with_suffix(".cpu")
+        cpu_s = float(cpu.read_text()) if cpu.exists() else float("nan")
         runs.append({"run": path.name, "output_tok_s": data["output_throughput"], "tpot_p50_ms": data["median_tpot_ms"],
-                     "ttft_p50_ms": data["median_ttft_ms"], "completed": data["completed"], "failed": data.get("failed", 0)})
+                     "ttft_p50_ms": data["median_ttft_ms"], "completed": data["completed"], "failed": data.get("failed", 0),
+                     "server_cpu_s": cpu_s, "server_cpu_s_per_1k_tokens": 1000 * cpu_s / data["total_output_tokens"]})
     if runs:
-        summary[target] = {"runs": runs, **{k: statistics.median(r[k] for r in runs) for k in ("output_tok_s", "tpot_p50_ms", "ttft_p50_ms")}}
+        summary[target] = {"runs": runs, **{k: statistics.median(r[k] for r in runs) for k in
+                                            ("output_tok_s", "tpot_p50_ms", "ttft_p50_ms", "server_cpu_s_per_1k_tokens")}}
 (out / "summary.json").write_text(json.dumps(summary, indent=1))
 for target, entry in summary.items():
     for r in entry["runs"]:
-        print(f"{target:7s} {r['run']:16s} {r['output_tok_s']:9.1f} tok/s  TPOT p50 {r['tpot_p50_ms']:6.2f} ms  TTFT p50 {r['ttft_p50_ms']:7.1f} ms  completed {r['completed']} failed {r['failed']}")
+        print(f"{target:7s} {r['run']:16s} {r['output_tok_s']:9.1f} tok/s  TPOT p50 {r['tpot_p50_ms']:6.2f} ms  TTFT p50 {r['ttft_p50_ms']:7.1f} ms  "
+              f"server CPU {r['server_cpu_s_per_1k_tokens']:.3f} s/1k tokens  completed {r['completed']} failed {r['failed']}")
 for tag in summary:
     if tag.startswith("engine") and "vllm" + tag[len("engine"):] in summary:
         engine, vllm = summary[tag], summary["vllm" + tag[len("engine"):]]

@@ -18,6 +18,7 @@ from perf_tier_process import run_perf_tier
 from bench.launch import MAX_MODEL_LEN, load_server_info, target_args
 
 REPO = Path(__file__).resolve().parents[3]
+SERVER_ARG = "--server-arg=--max-num-seqs=8"
 
 
 def _stop(pid: int) -> None:
@@ -26,7 +27,7 @@ def _stop(pid: int) -> None:
 
 
 def run_bench_serve(
-    model: Path, log: Path, info: Path, start_timeout_s: int
+    model: Path, log: Path, info: Path, start_timeout_s: int, *extra: str
 ) -> subprocess.CompletedProcess[str]:
     """`python -m bench serve --target engine` on CPU (float32), from the repository root."""
     return subprocess.run(
@@ -47,6 +48,7 @@ def run_bench_serve(
             str(info),
             "--timeout",
             str(start_timeout_s),
+            *extra,
         ],
         capture_output=True,
         text=True,
@@ -58,7 +60,8 @@ def run_bench_serve(
 @pytest.fixture
 def served_engine(tiny_model_dir, tmp_path):
     info_path = tmp_path / "engine-server.json"
-    done = run_bench_serve(tiny_model_dir, tmp_path / "engine-server.log", info_path, start_timeout_s=120)
+    # With one more flag of the server's own, passed through as given and recorded.
+    done = run_bench_serve(tiny_model_dir, tmp_path / "engine-server.log", info_path, 120, SERVER_ARG)
     assert done.returncode == 0, done.stderr
     info = load_server_info(info_path)
     yield info, info_path, done.stdout
@@ -70,10 +73,11 @@ def test_serve_leaves_the_server_running_and_describes_it(served_engine):
     # The command has returned; the server it started still answers.
     root = str(info["base_url"]).removesuffix("/v1")
     assert httpx.get(f"{root}/health", timeout=10).status_code == 200
-    assert info["args"] == target_args("engine", "float32")
+    assert info["args"] == [*target_args("engine", "float32"), "--max-num-seqs=8"]
     assert f"--max-model-len {MAX_MODEL_LEN}" in " ".join(info["args"])
     config = httpx.get(f"{root}/version", timeout=10).json()["config"]
     assert config["max_model_len"] == MAX_MODEL_LEN and config["dtype"] == "float32"
+    assert config["max_num_seqs"] == 8
     assert info["ready_after_s"] > 0 and f"kill -TERM -- -{info['pid']}" in stdout
 
 

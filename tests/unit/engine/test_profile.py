@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 from torch.autograd import DeviceType
 
+import engine.profile as profile_module
 from engine import EngineArgs, LLMEngine
 from engine.profile import (
     DEFAULT_BATCHES,
@@ -103,3 +104,23 @@ def test_the_steady_step_cancels_the_pipelines_fill_and_drain():
 def test_a_difference_lost_in_noise_falls_back_to_the_longer_runs_mean():
     times = iter([0.050, 0.040])  # the longer run came out shorter: noise, not a negative step
     assert steady_step_seconds(lambda n: next(times), 5) == pytest.approx(0.040 / 10)
+
+
+def test_profile_cli_profiles_sampled_steps_when_asked(tiny_model_dir, monkeypatch):
+    """`--temperature 1.0 --top-p 0.9`: the profiled requests sample (the sampler's share of a step
+    is what such a profile is for), and the figures say how they sampled."""
+    used = []
+    real = profile_module.SamplingParams
+
+    def recording(**kwargs):
+        used.append((kwargs["temperature"], kwargs["top_p"]))
+        return real(**kwargs)
+
+    monkeypatch.setattr(profile_module, "SamplingParams", recording)
+    out = main(
+        ["--model", str(tiny_model_dir), "--batch", "2", "--context", "16", "--steps", "2"]
+        + ["--max-model-len", "256", "--temperature", "1.0", "--top-p", "0.9", "--no-tables"]
+    )
+    assert used == [(1.0, 0.9)]
+    [figures] = out["batches"]
+    assert (figures["temperature"], figures["top_p"]) == (1.0, 0.9) and figures["step_ms"] > 0
