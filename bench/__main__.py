@@ -41,7 +41,6 @@ from bench.offline import (
     run_json,
     run_offline,
 )
-from bench.prefix import VLLM_RESET_ENV, cache_on_args
 from bench.probe import first_model
 from bench.profiles import PROFILES
 from bench.report import write_report
@@ -509,12 +508,14 @@ def command_offline(args: argparse.Namespace, parser: argparse.ArgumentParser) -
 
 def command_serve(args: argparse.Namespace) -> int:
     spec = ServerSpec.for_target(
-        args.target, str(Path(args.model).resolve()), args.dtype, args.port, args.max_model_len, args.seed
+        args.target,
+        str(Path(args.model).resolve()),
+        args.dtype,
+        args.port,
+        args.max_model_len,
+        args.seed,
+        prefix_cache=args.prefix_cache,
     )
-    if args.prefix_cache:
-        spec.args = cache_on_args(spec.args)
-        if args.target == "vllm":
-            os.environ.update(VLLM_RESET_ENV)  # ServerProcess passes this process's environment on
     spec.args = [*spec.args, *args.server_arg]
     process = ServerProcess(spec, args.log or f"perf-out/{args.target}-server.log")
     try:

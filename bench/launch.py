@@ -61,6 +61,7 @@ class ServerSpec:
     port: int
     args: list[str] = field(default_factory=list)
     env_file: str | None = None  # sourced before a vLLM start
+    env: dict[str, str] = field(default_factory=dict)  # set in the server's environment
     cwd: str | None = None  # where it runs: `bench ab` starts each side from its own git worktree
     # The module the engine's server runs as: `server`, or one that starts it changed for a
     # measurement (`bench.host_cost`, which takes the model out).
@@ -75,15 +76,19 @@ class ServerSpec:
         port: int | None = None,
         max_model_len: int = MAX_MODEL_LEN,
         seed: int = 0,
+        prefix_cache: bool = False,
     ) -> ServerSpec:
         """The target as the perf tier starts it: its flags (target_args), a free port unless given,
-        and a staged vLLM through $PERF_VLLM_ENV when that is set."""
+        and a staged vLLM through $PERF_VLLM_ENV when that is set. `prefix_cache`: the cache left on
+        (each target's default), and vLLM's development endpoints on (VLLM_RESET_ENV) so that it
+        serves POST /reset_prefix_cache, as this project's server always does."""
         return cls(
             target,
             model_dir,
             port or free_port(),
-            target_args(target, dtype, max_model_len, seed),
+            target_args(target, dtype, max_model_len, seed, prefix_cache),
             env_file=vllm_env_file() if target == "vllm" else None,
+            env=dict(VLLM_RESET_ENV) if prefix_cache and target == "vllm" else {},
         )
 
     @property
@@ -124,11 +129,17 @@ def sourcing(env_file: str | None, command: list[str]) -> list[str]:
     return command
 
 
+# Both targets turn the prefix cache on by default; the perf tier starts them with it off (the seed-mix
+# repeats its prompts at every level, so with the cache on every level after the first would be a full
+# hit; the stored baselines ran without it), except for its prefix-cache cases.
+CACHE_OFF_FLAG = "--no-enable-prefix-caching"
+VLLM_RESET_ENV = {"VLLM_SERVER_DEV_MODE": "1"}  # vLLM serves POST /reset_prefix_cache only with this
+
+
 def engine_args(dtype: str, max_model_len: int, seed: int = 0) -> list[str]:
-    """As vllm_args: no prefix caching (the seed-mix repeats its prompts at every level, so with the
-    cache on every level after the first would be a full hit; the stored baselines ran without it)."""
+    """As vllm_args: no prefix caching (CACHE_OFF_FLAG)."""
     return [
-        "--no-enable-prefix-caching",
+        CACHE_OFF_FLAG,
         "--dtype",
         dtype,
         "--max-model-len",
@@ -140,7 +151,7 @@ def engine_args(dtype: str, max_model_len: int, seed: int = 0) -> list[str]:
 
 # Engine flags a server of an older commit may not know, each asking for what such a server does anyway
 # (it has no prefix cache): `bench ab` starts the base commit's server with the new commit's flags.
-OPTIONAL_ENGINE_FLAGS = ("--no-enable-prefix-caching",)
+OPTIONAL_ENGINE_FLAGS = (CACHE_OFF_FLAG,)
 
 
 def server_help(spec: ServerSpec, timeout_s: float = 300.0) -> str:
@@ -173,19 +184,24 @@ def vllm_args(dtype: str, max_model_len: int, seed: int = 0) -> list[str]:
         dtype,
         "--max-model-len",
         str(max_model_len),
-        "--no-enable-prefix-caching",
+        CACHE_OFF_FLAG,
         "--seed",
         str(seed),
     ]
 
 
-def target_args(target: str, dtype: str, max_model_len: int = MAX_MODEL_LEN, seed: int = 0) -> list[str]:
-    """The flags the perf tier starts `target` with (see engine_args and vllm_args)."""
+def target_args(
+    target: str, dtype: str, max_model_len: int = MAX_MODEL_LEN, seed: int = 0, prefix_cache: bool = False
+) -> list[str]:
+    """The flags the perf tier starts `target` with (see engine_args and vllm_args); with
+    `prefix_cache`, the same without CACHE_OFF_FLAG."""
     if target == "engine":
-        return engine_args(dtype, max_model_len, seed)
-    if target == "vllm":
-        return vllm_args(dtype, max_model_len, seed)
-    raise ValueError(f"unknown target {target!r} (engine or vllm)")
+        args = engine_args(dtype, max_model_len, seed)
+    elif target == "vllm":
+        args = vllm_args(dtype, max_model_len, seed)
+    else:
+        raise ValueError(f"unknown target {target!r} (engine or vllm)")
+    return [arg for arg in args if arg != CACHE_OFF_FLAG] if prefix_cache else args
 
 
 def healthy(base_url: str, timeout_s: float = 2.0) -> bool:
@@ -231,7 +247,7 @@ class ServerProcess:
             self.spec.args = known_args(self.spec.args, server_help(self.spec))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("wb")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.spec.env)
         started = time.monotonic()
         self.process = subprocess.Popen(
             self.spec.command(),

@@ -26,16 +26,6 @@ QUERIES = ("engine_prefix_cache_queries_total", "vllm:prefix_cache_queries_total
 HITS = ("engine_prefix_cache_hits_total", "vllm:prefix_cache_hits_total")
 NO_RESET_HINT = "vLLM serves /reset_prefix_cache only with VLLM_SERVER_DEV_MODE=1 in its environment"
 TIMEOUT_S = 30.0
-# bench.launch starts both targets with their prefix cache off (the stored baselines' definition);
-# both turn it on by default, so a server for the prefix-cache modes is started without this flag,
-# and vLLM with its development endpoints on, for POST /reset_prefix_cache.
-CACHE_OFF_FLAG = "--no-enable-prefix-caching"
-VLLM_RESET_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
-
-
-def cache_on_args(args: list[str]) -> list[str]:
-    """A target's flags (bench.launch.target_args) with its prefix cache left on, its default."""
-    return [arg for arg in args if arg != CACHE_OFF_FLAG]
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from bench.budgets import (
 )
 from bench.client import Endpoint
 from bench.launch import (
+    CACHE_OFF_FLAG,
     ServerProcess,
     ServerSpec,
     load_server_info,
@@ -51,7 +52,6 @@ from bench.launch import (
 )
 from bench.machine import describe_machine, same_machine
 from bench.offline import describe_entry
-from bench.prefix import CACHE_OFF_FLAG, VLLM_RESET_ENV, cache_on_args
 from bench.probe import first_model, probe
 from bench.profiles import PROFILES, Profile, seed_mix
 from bench.report import write_report
@@ -604,8 +604,8 @@ def server(target: str, perf: PerfSettings, recorder: Recorder, request: pytest.
 
 @pytest.fixture(scope="session")
 def cached_server(target: str, perf: PerfSettings, recorder: Recorder, request: pytest.FixtureRequest):
-    """The target's server with its prefix cache on (both servers' default; bench.prefix.cache_on_args),
-    vLLM with VLLM_SERVER_DEV_MODE=1 so that POST /reset_prefix_cache is served; started after every
+    """The target's server with its prefix cache on (both servers' default; ServerSpec.for_target's
+    prefix_cache), vLLM with VLLM_SERVER_DEV_MODE=1 so that POST /reset_prefix_cache is served; started after every
     other server of the session has stopped. A --server-info server started with the cache off makes
     its cases skip; a --server-url server is measured as it runs."""
     yield from _serve(target, perf, recorder, request, cached=True)
@@ -632,18 +632,12 @@ def _serve(
             if target == "vllm" and (reason := vllm_unavailable_reason()):
                 pytest.skip(reason)
             folder = model_dir(perf)
-            spec = ServerSpec.for_target(target, folder, perf.dtype)
-            if cached:
-                spec.args = cache_on_args(spec.args)
+            spec = ServerSpec.for_target(target, folder, perf.dtype, prefix_cache=cached)
             server_args = spec.args
             recorder.stop_servers()  # the GPU to this server alone (the cache-off one is done)
             process = ServerProcess(spec, perf.out / f"{key}-server.log")
             recorder.servers[key] = process
-            with pytest.MonkeyPatch.context() as env:  # ServerProcess passes on this process's environment
-                if cached and target == "vllm":
-                    for name, value in VLLM_RESET_ENV.items():
-                        env.setenv(name, value)
-                process.start(timeout_s=300.0 if target == "vllm" else 180.0)
+            process.start(timeout_s=300.0 if target == "vllm" else 180.0)
             base_url, ready_after_s = spec.base_url, process.ready_after_s
         api_key = os.environ.get("OPENAI_API_KEY")  # as bench's --api-key default: a server with --api-key
         endpoint = Endpoint(

@@ -9,11 +9,9 @@ import math
 import pytest
 
 from bench.client import Endpoint
-from bench.launch import ServerProcess, ServerSpec, target_args
+from bench.launch import CACHE_OFF_FLAG, VLLM_RESET_ENV, ServerProcess, ServerSpec, target_args
 from bench.prefix import (
-    CACHE_OFF_FLAG,
     CacheCounters,
-    cache_on_args,
     hit_figures,
     level_seed,
     parse_counters,
@@ -104,12 +102,16 @@ def test_both_servers_counters_are_read_and_turned_into_a_hit_rate():
     assert math.isnan(hit_figures(CacheCounters(5.0, 1.0), CacheCounters(5.0, 1.0))["prefix_cache_hit_rate"])
 
 
-def test_cache_on_args_drop_only_the_cache_off_flag_and_seeds_move_past_every_level():
+def test_a_cache_on_server_drops_only_the_cache_off_flag_and_seeds_move_past_every_level():
     for target in ("engine", "vllm"):
         args = target_args(target, "float32")
-        assert CACHE_OFF_FLAG in args
-        kept = cache_on_args(args)
-        assert CACHE_OFF_FLAG not in kept and len(kept) == len(args) - 1
+        assert CACHE_OFF_FLAG in args and ServerSpec.for_target(target, "m", "float32").env == {}
+        kept = target_args(target, "float32", prefix_cache=True)
+        assert kept == [arg for arg in args if arg != CACHE_OFF_FLAG] and len(kept) == len(args) - 1
+        spec = ServerSpec.for_target(target, "m", "float32", prefix_cache=True)
+        assert spec.args == kept
+        # vLLM serves POST /reset_prefix_cache only with its development endpoints on; ours always does
+        assert spec.env == (VLLM_RESET_ENV if target == "vllm" else {})
     seeds = {level_seed(0, level) for level in range(50)}
     assert len(seeds) == 50 and not seeds & {0, 1}  # neither the workload's nor the warm-up's
 
@@ -132,8 +134,7 @@ def test_profiles_run_the_prefix_modes_against_their_own_files():
 @pytest.fixture(scope="module")
 def cached_tiny_server(tiny_model_dir, tmp_path_factory):
     """This project's server with the tiny model on CPU and its prefix cache on."""
-    spec = ServerSpec.for_target("engine", str(tiny_model_dir), "float32")
-    spec.args = cache_on_args(spec.args)
+    spec = ServerSpec.for_target("engine", str(tiny_model_dir), "float32", prefix_cache=True)
     with ServerProcess(spec, tmp_path_factory.mktemp("logs") / "server.log") as process:
         process.start(timeout_s=SERVER_START_DEADLINE_S)
         yield Endpoint(spec.base_url, model=str(tiny_model_dir), target="engine")
