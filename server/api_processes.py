@@ -35,9 +35,8 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from engine.core_process import CoreProcess, RemoteCore
-from server.app import create_app
 from server.metrics import ServerMetrics
-from server.serving import DRAIN, EXIT, ApiProcessServer, uvicorn_config
+from server.serving import DRAIN, EXIT, ApiProcessServer, app_from_flags, uvicorn_config
 
 logger = logging.getLogger("server")
 
@@ -201,15 +200,7 @@ def run_api_process(
         format=f"%(asctime)s %(levelname)s %(name)s [api {index} pid=%(process)d]: %(message)s",
         stream=sys.stderr,
     )
-    app = create_app(
-        core,
-        args.served_model_name,
-        max_pending=args.max_pending,
-        shutdown_timeout=args.shutdown_timeout,
-        api_key=args.api_key,
-        max_request_bytes=args.max_request_bytes,
-        metrics=ServerMetrics(multiprocess_dir=metrics_dir, records_steps=index == 0),
-    )
+    app = app_from_flags(args, core, ServerMetrics(multiprocess_dir=metrics_dir, records_steps=index == 0))
     server = ApiProcessServer(
         uvicorn_config(args, app),
         app.state.async_engine,

@@ -22,9 +22,8 @@ from engine import EngineArgs
 from engine.attention import BACKEND_NAMES
 from engine.core_process import CoreProcess, CoreStartupError
 from server.api_processes import serve_with_api_processes
-from server.app import create_app
 from server.guards import DEFAULT_MAX_REQUEST_BYTES
-from server.serving import DrainingServer, uvicorn_config
+from server.serving import DrainingServer, app_from_flags, uvicorn_config
 
 logger = logging.getLogger("server")
 
@@ -162,14 +161,7 @@ def main(argv: Sequence[str] | None = None, core_setup: Callable[[], None] | Non
 
 
 def _serve(args: argparse.Namespace, core: CoreProcess) -> int:
-    app = create_app(
-        core,
-        args.served_model_name,
-        max_pending=args.max_pending,
-        shutdown_timeout=args.shutdown_timeout,
-        api_key=args.api_key,
-        max_request_bytes=args.max_request_bytes,
-    )
+    app = app_from_flags(args, core)
     if os.environ.get(TRACEMALLOC_ENV):
         # Started once the engine is built: tracing torch's imports from the start (PYTHONTRACEMALLOC)
         # takes minutes. /metrics then shows the heap (server_python_heap_traced_bytes).

@@ -23,7 +23,9 @@ from typing import Any
 
 import uvicorn
 
+from server.app import create_app
 from server.async_engine import AsyncEngine
+from server.metrics import ServerMetrics
 
 logger = logging.getLogger("server")
 
@@ -166,4 +168,17 @@ def uvicorn_config(args: argparse.Namespace, app: Any) -> uvicorn.Config:
         access_log=not args.disable_uvicorn_access_log,
         timeout_graceful_shutdown=UVICORN_GRACE_SECONDS,
         lifespan="on",
+    )
+
+
+def app_from_flags(args: argparse.Namespace, core: Any, metrics: ServerMetrics | None = None) -> Any:
+    """`create_app` with the server's flags: the one app an API process serves."""
+    return create_app(
+        core,
+        args.served_model_name,
+        max_pending=args.max_pending,
+        shutdown_timeout=args.shutdown_timeout,
+        api_key=args.api_key,
+        max_request_bytes=args.max_request_bytes,
+        metrics=metrics,
     )
