@@ -1,5 +1,5 @@
 """Sampling kernels: the fused Gumbel-max draw, penalties, the row mass, and the nucleus (top-p)
-cutoff by bisection. The sampler (engine/sampler.py) calls them on CUDA; engine/kernels/
+cutoff by a k-ary search. The sampler (engine/sampler.py) calls them on CUDA; engine/kernels/
 sampling_reference.py is their torch reference, which the CPU engine runs and the tests compare with.
 
 `sample_rows`: each row is split into chunks of the vocabulary, a program a chunk (so that even one
@@ -13,10 +13,12 @@ temperature 0 takes the plain argmax (lowest index on ties, as torch).
 pass over the penalized rows. `row_masses`: softmax's denominator of rows, split like the draw.
 
 `top_p_cutoffs`: for the rows flagged `needs`, the largest logit t whose tokens at or above it hold
-top_p of the row's mass (softmax at the row's temperature, over the tokens >= lower), found by
-bisection over the float32 bit patterns of the logits: at most 32 passes over the row, no sort. Rows
-not flagged are skipped at once, so the sampler can send it only the rows a cheaper method could not
-settle, without knowing on the host which those are.
+top_p of the row's mass (softmax at the row's temperature, over the tokens >= lower), found by a
+k-ary search over the float32 bit patterns of the logits, one program a row: a pass over the row
+finds its largest logit, then each pass weighs BISECT_THRESHOLDS (16) candidate cutoffs at once and
+narrows the interval 16-fold, so 1 + ceil(32 / 4) = 9 passes at most, no sort (a bisection took
+about 34). Rows not flagged are skipped at once, so the sampler can send it only the rows a cheaper
+method could not settle, without knowing on the host which those are.
 """
 
 from __future__ import annotations
@@ -28,9 +30,14 @@ import triton.language as tl
 from engine.kernels.sampling_reference import OUTPUT_COUNT_MASK
 
 # Vocabulary entries a program handles at a time: 4 KiB of float32 logits for the draw and the row
-# mass; the bisection (one program a row, about 34 passes over it) takes larger steps.
+# mass. The top-p search (one program a row, at most 9 passes over it) weighs BISECT_THRESHOLDS
+# cutoffs a pass, about two instructions a logit each. Its running sums are a
+# [BISECT_THRESHOLDS, BISECT_BLOCK] float32 tile: 64 registers a thread at 16 warps (4 logits a
+# thread; about 110 registers in all for sm_90, no spills), and 16 warps give the row's SM other
+# warps to run while some wait on their loads.
 SAMPLE_BLOCK = 1024
 BISECT_BLOCK = 2048
+BISECT_THRESHOLDS = 16  # the k of the k-ary search: 8 passes narrow 2^32 keys to one
 
 
 @triton.jit
@@ -147,16 +154,47 @@ def _from_ordered(key):
 
 
 @triton.jit
-def _mass_at_or_above(base, threshold, top, scale, vocab, BLOCK: tl.constexpr):
-    """sum of 2^((logit - top) * scale) over the row's logits >= threshold; scale = log2(e) / T,
-    so each term is exp((logit - top) / T), with one multiply and the hardware's exp2."""
+def _thresholds(low, high, K: tl.constexpr):
+    """[K] int64 keys from low up: low + ceil((high - low) * j / K) for j = 0..K-1. They ascend, the
+    first is low itself, all lie in [low, high], and when high - low < K they are every key of
+    [low, high]. (high - low) * j < 2^32 * K: no int64 overflow."""
+    j = tl.arange(0, K).to(tl.int64)
+    return low + ((high - low) * j + (K - 1)) // K
+
+
+@triton.jit
+def _masses_at_or_above(base, thresholds, top, scale, vocab, BLOCK: tl.constexpr):
+    """[K] float32: for each of the [K] float32 thresholds, the sum of 2^((logit - top) * scale)
+    over the row's logits >= it; scale = log2(e) / T, so each term is exp((logit - top) / T), with
+    one multiply and the hardware's exp2, once a logit for all K thresholds.
+
+    The running sums are a [K, BLOCK] tile, thresholds along the first axis so that a thread holds
+    all K sums of its logits, reduced once at the end. Every threshold's sum adds the same terms in
+    the same order (a term is its weight or 0), so equal thresholds get equal sums and a higher one
+    never a larger sum. fma(weight, logit >= t, sum) adds exactly what a select and an add would
+    (weights lie in [0, 1]: the product is exact), in two instructions a threshold (a set and a
+    fused multiply-add, whatever the compiler's fusion default) instead of three."""
     cols = tl.arange(0, BLOCK)
-    total = tl.zeros((BLOCK,), tl.float32)
+    total = tl.zeros((thresholds.shape[0], BLOCK), tl.float32)
     for start in range(0, vocab, BLOCK):
         index = start + cols
         logit = tl.load(base + index, mask=index < vocab, other=float("-inf"))
-        total += tl.where(logit >= threshold, tl.exp2((logit - top) * scale), 0.0)
-    return tl.sum(total, axis=0)
+        weight = tl.exp2((logit - top) * scale)
+        total = tl.fma(weight[None, :], (logit[None, :] >= thresholds[:, None]).to(tl.float32), total)
+    return tl.sum(total, axis=1)
+
+
+@triton.jit
+def _narrow(keys, masses, target, high, K: tl.constexpr):
+    """The next (low, high) after a pass that weighed keys (from _thresholds: keys[0] is low).
+    low: the largest key whose mass reaches target (keys[0], by the invariant, if no other does);
+    high: the next key, minus one, or high itself after the last key."""
+    j = tl.arange(0, K)
+    last = tl.max(tl.where((masses >= target) | (j == 0), j, 0), axis=0)
+    low = tl.sum(tl.where(j == last, keys, 0), axis=0)
+    above = tl.sum(tl.where(j == last + 1, keys, 0), axis=0)
+    # above > low when last < K - 1, since equal keys get equal masses; the maximum only makes sure.
+    return low, tl.where(last == K - 1, high, tl.maximum(above - 1, low))
 
 
 @triton.jit
@@ -170,8 +208,11 @@ def _top_p_bisect_kernel(
     cutoff_ptr,  # [n] float32, written where needs
     logits_stride,
     vocab,
+    K: tl.constexpr,  # keys weighed a pass (a power of two, at least 2)
     BLOCK: tl.constexpr,
 ):
+    """The nucleus cutoff of each flagged entry's row by a K-ary search (named for the sampler's
+    "bisect" method, which calls it; it bisected before it searched K-ary)."""
     entry = tl.program_id(0)
     if tl.load(needs_ptr + entry) != 0:
         row = tl.load(rows_ptr + entry).to(tl.int64)
@@ -184,18 +225,24 @@ def _top_p_bisect_kernel(
             index = start + cols
             top_block = tl.maximum(top_block, tl.load(base + index, mask=index < vocab, other=float("-inf")))
         top = tl.max(top_block, axis=0)
-        target = tl.load(top_p_ptr + entry) * _mass_at_or_above(base, lower, top, scale, vocab, BLOCK)
-        # Bisection over the float32 order of [lower, top] for the largest key whose mass (tokens at
-        # or above it) reaches target: a logit, since the mass only changes at logit values.
-        # Invariant: the answer is in [low, high], and the mass at low reaches target.
+        # K-ary search over the float32 order of [lower, top] for the largest key whose mass (tokens
+        # at or above it) reaches target: a logit, since the mass only changes at logit values.
+        # Invariant: the answer is in [low, high], and the mass at low reaches target. A pass weighs
+        # K keys from low up (_thresholds) and keeps the interval between the last that reaches
+        # target and the next: high - low drops to at most (high - low) // K, so from fewer than
+        # 2^32 keys at most ceil(32 / log2(K)) passes (8 at K = 16) reach low == high.
         low = _ordered(lower)
-        high = _ordered(top)
+        high = tl.maximum(_ordered(top), low)  # lower above top: the answer is lower, as it was
+        # The first pass also weighs the row: its first key is lower itself, so masses[0] is the
+        # mass of the tokens >= lower, of which target is top_p.
+        keys = _thresholds(low, high, K)
+        masses = _masses_at_or_above(base, _from_ordered(keys), top, scale, vocab, BLOCK)
+        target = tl.load(top_p_ptr + entry) * tl.sum(tl.where(tl.arange(0, K) == 0, masses, 0.0), axis=0)
+        low, high = _narrow(keys, masses, target, high, K)
         while low < high:
-            middle = low + (high - low + 1) // 2
-            if _mass_at_or_above(base, _from_ordered(middle), top, scale, vocab, BLOCK) >= target:
-                low = middle
-            else:
-                high = middle - 1
+            keys = _thresholds(low, high, K)
+            masses = _masses_at_or_above(base, _from_ordered(keys), top, scale, vocab, BLOCK)
+            low, high = _narrow(keys, masses, target, high, K)
         tl.store(cutoff_ptr + entry, _from_ordered(low))
 
 
@@ -383,7 +430,10 @@ def top_p_cutoffs(
     cutoff: torch.Tensor,
 ) -> None:
     """Write into cutoff[i], for each i with needs[i] != 0, the nucleus cutoff of logits[rows[i]]
-    (as sampling_reference.top_p_cutoffs_reference, up to the float32 order of summation).
+    (as sampling_reference.top_p_cutoffs_reference, up to the float32 order of summation), by a
+    k-ary search over the float32 order of [lower, top], one program a row: one pass over the row
+    for its largest logit, then passes that each weigh BISECT_THRESHOLDS cutoffs (the first also
+    the row's mass), 9 passes in all at most (ceil(32 / log2(16)) = 8 of them searching).
 
     logits: [*, vocab] float32, last dim contiguous. rows, needs: [n] int32; temperature (> 0),
     top_p, lower: [n] float32; cutoff: [n] float32, written in place. All contiguous.
@@ -403,7 +453,7 @@ def top_p_cutoffs(
             raise ValueError(f"{name} must be contiguous")
     if n <= 0:
         return
-    block, num_warps = _block(logits.shape[1], BISECT_BLOCK)
+    block = min(triton.next_power_of_2(logits.shape[1]), BISECT_BLOCK)
     _top_p_bisect_kernel[(n,)](
         logits,
         rows,
@@ -414,8 +464,9 @@ def top_p_cutoffs(
         cutoff,
         logits.stride(0),
         logits.shape[1],
+        K=BISECT_THRESHOLDS,
         BLOCK=block,
-        num_warps=num_warps,
+        num_warps=min(max(block // 128, 1), 16),  # 4 logits a thread: 4 x K running sums
     )
 
 

@@ -6,8 +6,10 @@ may fuse) can differ, which changes a draw only when two candidates' scores are 
 rounding of each other. The interpreter matches exactly; on CUDA a differing token must be such a
 near-tie under the reference's own scores (NEAR_TIE), and there must be almost none.
 
-top_p_cutoffs: the bisection kernel must find the reference's cutoff (a full sort), exactly, on rows
-where no candidate's cumulative mass lies within float32 summation error of top_p.
+top_p_cutoffs: the k-ary search must find the reference's cutoff (a full sort), exactly, on rows
+where no candidate's cumulative mass lies within float32 summation error of top_p: random rows, and
+rows built so that the cutoff falls on ties, on lower or top itself, on neighbouring float32 values,
+across zero, at top_p 1 and tiny top_p, with -inf logits, searched 2-, 4- and 16-ary.
 
 CPU (interpreter): tiny shapes, float32 logits (the sampler always gets float32). CUDA (gpu): the
 vocabulary of qwen2.5 (151,936) at 1, 64 and 256 rows, and replay from a CUDA graph.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.kernels import sampling
 from engine.kernels.sampling import apply_penalties_in_place, row_masses, sample_rows, top_p_cutoffs
 from engine.kernels.sampling_reference import (
     PROMPT_FLAG,
@@ -135,7 +138,7 @@ def _nucleus_case(rows: int, vocab: int, device: torch.device, seed: int):
 
 
 @pytest.mark.parametrize("vocab", [1, 7, 300, 5000])
-def test_top_p_bisection_matches_the_sort(device, vocab):
+def test_top_p_search_matches_the_sort(device, vocab):
     rows = 8
     logits, temperature, top_p, lower = _nucleus_case(rows, vocab, device, seed=vocab)
     expected = top_p_cutoffs_reference(logits, temperature, top_p, lower)
@@ -149,7 +152,7 @@ def test_top_p_bisection_matches_the_sort(device, vocab):
     assert torch.equal(cutoff[keep], expected[keep])
 
 
-def test_top_p_bisection_reads_the_rows_it_is_given(device):
+def test_top_p_search_reads_the_rows_it_is_given(device):
     logits, temperature, top_p, lower = _nucleus_case(8, 64, device, seed=11)
     rows = torch.tensor([5, 0, 5], dtype=torch.int32, device=device)
     pick = rows.long()
@@ -165,6 +168,88 @@ def test_top_p_bisection_reads_the_rows_it_is_given(device):
     )
     expected = top_p_cutoffs_reference(logits[pick], temperature[pick], top_p[pick], lower[pick])
     assert torch.equal(cutoff, expected)
+
+
+ULP = 2.0**-23  # float32 spacing just above 1.0
+TIES = [(3.0, 1), (2.0, 5), (1.0, 10), (0.0, 21)]  # weights at T=1: 20.1, 36.9, 27.2, 21 (of 105.2)
+SIGNS = [(1.5, 1), (0.25, 2), (0.0, 2), (-0.0, 2), (-0.3, 4), (-1.2, 6), (-4.0, 20)]
+STEPS = [(1.0 + k * ULP, 1) for k in range(10)] + [(-5.0, 27)]  # ten neighbouring float32 values
+INF = float("inf")
+# (id, (value, count) of the row's 37 designed logits, temperature, top_p, lower, the cutoff). Each
+# top_p lies clear of every cumulative mass, so the sort and the search must agree exactly.
+NUCLEUS_EDGES = [
+    ("ties-straddle-top-p", TIES, 1.0, 0.3, -INF, 2.0),  # two of the five 2.0s reach it; all 5 kept
+    ("ties-below-a-tie-group", TIES, 1.0, 0.6, -INF, 1.0),
+    ("top-itself", TIES, 1.0, 0.1, -INF, 3.0),
+    ("tiny-top-p", TIES, 1.0, 1e-6, -INF, 3.0),
+    ("top-p-one", TIES, 1.0, 1.0, -INF, 0.0),
+    ("lower-itself", TIES, 1.0, 0.9, 1.0, 1.0),
+    ("lower-between-logits", TIES, 1.0, 1.0, 0.5, 1.0),
+    ("lower-is-top", TIES, 1.0, 0.5, 3.0, 3.0),
+    ("cold", TIES, 0.5, 0.6, -INF, 2.0),
+    ("hot", TIES, 2.0, 0.9, -INF, 0.0),
+    ("neg-inf-logits", [(3.0, 1), (2.0, 5), (1.0, 10), (0.0, 11), (-INF, 10)], 1.0, 1.0, -INF, 0.0),
+    ("signs-zero", SIGNS, 1.0, 0.55, -INF, 0.0),
+    ("signs-negative-cutoff", SIGNS, 1.0, 0.8, -INF, -0.3),
+    ("signs-near-one", SIGNS, 1.0, 0.95, -INF, -1.2),
+    ("signs-top-p-one", SIGNS, 1.0, 1.0, -INF, -4.0),
+    ("signs-lower-itself", SIGNS, 1.0, 0.999, -1.2, -1.2),
+    ("equal-negative", [(-2.5, 37)], 0.7, 0.5, -INF, -2.5),
+    ("equal-top-p-one-lower-itself", [(-2.5, 37)], 1.0, 1.0, -2.5, -2.5),
+    ("equal-positive-tiny-top-p", [(7.0, 37)], 1.0, 1e-6, -INF, 7.0),
+    ("neighbours-within-lower", STEPS, 1.0, 0.55, 1.0, 1.0 + 4 * ULP),  # 10 keys: one pass settles
+    ("neighbours", STEPS, 1.0, 0.55, -INF, 1.0 + 4 * ULP),
+    (
+        "twenty-neighbours",
+        [(1.0 + k * ULP, 1) for k in range(20)] + [(-5.0, 17)],
+        1.0,
+        0.55,
+        1.0,
+        1.0 + 9 * ULP,
+    ),
+    (
+        "negative-neighbours",
+        [(-1.0 - k * ULP, 1) for k in range(10)] + [(-5.0, 27)],
+        1.0,
+        0.55,
+        -1.0 - 9 * ULP,
+        -1.0 - 5 * ULP,
+    ),
+]
+
+
+@pytest.mark.parametrize("thresholds", [2, 4, 16])
+@pytest.mark.parametrize("vocab", [37, 3000])  # the designed logits alone; scattered among -inf
+def test_top_p_search_edge_cases(device, monkeypatch, vocab, thresholds):
+    """The sort and the K-ary search agree exactly, with the cutoff worked out by hand, where an
+    off-by-one in the search would show: ties at the cutoff, the cutoff at lower or at top itself,
+    neighbouring float32 values (the last passes weigh fewer than K keys), mixed signs."""
+    monkeypatch.setattr(sampling, "BISECT_THRESHOLDS", thresholds)
+    generator = torch.Generator().manual_seed(vocab)
+    rows = []
+    for _, values, *_ in NUCLEUS_EDGES:
+        designed = torch.tensor([value for value, count in values for _ in range(count)])
+        assert len(designed) == 37
+        pad = designed[0].item() if len(values) == 1 else -INF  # an all-equal row stays all equal
+        row = torch.full((vocab,), pad)
+        row[torch.randperm(vocab, generator=generator)[:37]] = designed
+        rows.append(row)
+    logits = torch.stack(rows).to(device)
+    n = len(NUCLEUS_EDGES)
+    temperature, top_p, lower, expected = (
+        torch.tensor([case[i] for case in NUCLEUS_EDGES], dtype=torch.float32, device=device)
+        for i in range(2, 6)
+    )
+    cutoff = torch.full((n,), 123.0, device=device)
+    index = torch.arange(n, dtype=torch.int32, device=device)
+    top_p_cutoffs(logits, index, temperature, top_p, lower, torch.ones_like(index), cutoff)
+    reference = top_p_cutoffs_reference(logits, temperature, top_p, lower)
+    ids = [case[0] for case in NUCLEUS_EDGES]
+    wanted = dict(zip(ids, expected.tolist(), strict=True))
+    assert dict(zip(ids, reference.tolist(), strict=True)) == wanted
+    assert dict(zip(ids, cutoff.tolist(), strict=True)) == wanted
+    # The largest key of the mass: +0.0, above -0.0 in the float32 order, though they compare equal.
+    assert torch.signbit(cutoff[ids.index("signs-zero")]).item() is False
 
 
 @pytest.mark.parametrize("vocab", [1, 300, 5000])
@@ -242,7 +327,7 @@ def test_gpu_real_vocabulary_matches_reference(rows):
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("rows", [1, 64])
-def test_gpu_top_p_bisection_at_the_real_vocabulary(rows):
+def test_gpu_top_p_search_at_the_real_vocabulary(rows):
     device = torch.device("cuda")
     generator = torch.Generator().manual_seed(rows)
     logits = (torch.randn(rows, VOCAB, generator=generator) * 4).to(device)
