@@ -41,15 +41,21 @@ def test_both_api_processes_accept_on_the_port(start_server: Callable[..., Serve
     api_pids = server.api_pids()
     assert len(api_pids) == 2 and server.core_pid() not in api_pids
     before = {pid: socket_count(pid) for pid in api_pids}
-    clients = [httpx.Client(base_url=server.url, timeout=30) for _ in range(32)]
+    clients: list[httpx.Client] = []
     try:
-        for client in clients:  # 32 connections, each kept open by its client
-            assert client.get("/health").json() == {"status": "ok"}
-        gained = {pid: socket_count(pid) - before[pid] for pid in api_pids}
+        # Rounds of 32 connections, each kept open by its client, until both processes hold some (the
+        # kernel hands each to whichever process accepts first: one busy process may miss a round).
+        for _ in range(3):
+            for _ in range(32):
+                clients.append(httpx.Client(base_url=server.url, timeout=30))
+                assert clients[-1].get("/health").json() == {"status": "ok"}
+            gained = {pid: socket_count(pid) - before[pid] for pid in api_pids}
+            if all(gained.values()):
+                break
     finally:
         for client in clients:
             client.close()
-    assert sum(gained.values()) == 32 and all(gained.values()), gained
+    assert sum(gained.values()) == len(clients) and all(gained.values()), gained
 
 
 def test_one_limit_and_one_set_of_metrics_over_both(start_server: Callable[..., ServerProcess]) -> None:
