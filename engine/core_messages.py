@@ -73,6 +73,12 @@ class TokenDelta(msgspec.Struct, array_like=True):
     finish_reason: str | None = None
 
 
+def over_the_limit(pending: int, max_pending: int) -> str:
+    """The refusal of a request over the admission limit, whichever side finds it: the API process
+    (its own requests alone) or the core (every API process's)."""
+    return f"too many pending requests ({pending} accepted, at most {max_pending}); retry later"
+
+
 class RequestFailed(msgspec.Struct, array_like=True):
     """A request the core refused (`invalid`: the caller's fault, a 400; `overloaded`: over the
     admission limit, a 503) or lost (`engine`: a 500)."""

@@ -24,7 +24,7 @@ import signal
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from multiprocessing.process import BaseProcess
 from typing import Protocol
 
@@ -46,6 +46,7 @@ from engine.core_messages import (
     ResetPrefixCache,
     StepOutputs,
     TokenDelta,
+    over_the_limit,
 )
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
@@ -154,9 +155,7 @@ class EngineCore:
         request_ids = message.request_ids
         pending = len(self._owner)
         if pending + len(request_ids) > message.max_pending:
-            reason = (
-                f"too many pending requests ({pending} accepted, at most {message.max_pending}); retry later"
-            )
+            reason = over_the_limit(pending, message.max_pending)
             self._failures[client].extend(RequestFailed(r, "overloaded", reason) for r in request_ids)
             return
         engine = self.engine
@@ -166,17 +165,14 @@ class EngineCore:
                 engine.add_request(request_id, prompt, message.params, message.arrival_time)
             except Exception as error:  # a bad request fails alone; the loop goes on
                 if isinstance(error, InvalidRequestError):
-                    failure = RequestFailed(request_id, "invalid", error.message, error.param)
+                    kind, text, param = "invalid", error.message, error.param
                 else:
                     logger.exception("add_request failed for %s", request_id)
-                    failure = RequestFailed(
-                        request_id, "engine", f"the engine could not take the request: {type(error).__name__}"
-                    )
+                    kind, text = "engine", f"the engine could not take the request: {type(error).__name__}"
+                    param = None
                 for earlier in added:  # all or none: the group's other requests go too
                     self._abort(earlier)
-                self._failures[client].extend(
-                    RequestFailed(r, failure.kind, failure.message, failure.param) for r in request_ids
-                )
+                self._failures[client].extend(RequestFailed(r, kind, text, param) for r in request_ids)
                 return
             added.append(request_id)
         for request_id in added:
@@ -209,27 +205,19 @@ class EngineCore:
         deltas: defaultdict[bytes, list[TokenDelta]] = defaultdict(list)
         owner = self._owner
         for output in outputs:
-            owned = owner.get(output.request_id)
-            if owned is None:  # aborted meanwhile
+            sender = owner.get(output.request_id)
+            if sender is None:  # aborted meanwhile
                 continue
-            client = owned
             if output.finished:
                 del owner[output.request_id]
-                deltas[client].append(
-                    TokenDelta(output.request_id, output.new_token_ids, output.finish_reason)
-                )
-            else:
-                deltas[client].append(TokenDelta(output.request_id, output.new_token_ids))
+            # finish_reason is None until the last output (the core's engine finds no stop strings)
+            deltas[sender].append(TokenDelta(output.request_id, output.new_token_ids, output.finish_reason))
         self._send_all(seconds, deltas)
 
     def _send_verdicts(self) -> None:
         """Tell the API processes at once which of their new requests were admitted or refused, so
         that a refusal (a 503 or 400) does not wait for the step."""
-        stats = self._stats()
-        admitted, failures = self._admitted, self._failures
-        for client in list(admitted.keys() | failures.keys()):
-            message = StepOutputs(admitted.pop(client, []), [], failures.pop(client, []), stats)
-            self.socket.send_multipart([client, _ENCODER.encode(message)], copy=False)
+        self._send(self._admitted.keys() | self._failures.keys(), None, {})
 
     def _stats(self) -> CoreStats:
         return core_stats(self.engine, len(self._owner))
@@ -237,9 +225,14 @@ class EngineCore:
     def _send_all(self, step_seconds: float | None, deltas: dict[bytes, list[TokenDelta]]) -> None:
         """One message to every known API process: what it had admitted, its deltas and failures,
         and everyone's stats."""
+        self._send(self._clients, step_seconds, deltas)
+
+    def _send(
+        self, clients: Iterable[bytes], step_seconds: float | None, deltas: dict[bytes, list[TokenDelta]]
+    ) -> None:
         stats = self._stats()
         admitted, failures = self._admitted, self._failures
-        for client in self._clients:
+        for client in list(clients):
             message = StepOutputs(
                 admitted.pop(client, []),
                 deltas.get(client, []),

@@ -133,7 +133,7 @@ def _supervise(processes: list[_ApiProcess], core: CoreProcess, shutdown_timeout
             watched: list[Any] = [wake_read, *running]
             if core_watched:
                 watched.append(core.sentinel)
-            timeout = None if deadline is None else max(0.0, deadline - _now())
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready = multiprocessing.connection.wait(watched, timeout)
             if wake_read in ready:
                 wake_read.recv(4096)
@@ -142,12 +142,12 @@ def _supervise(processes: list[_ApiProcess], core: CoreProcess, shutdown_timeout
                 command = DRAIN if handled == 1 else EXIT
                 logger.info("signal %d: telling the API processes to %s", signals[handled - 1], command)
                 _tell(running.values(), command)
-                deadline = _now() + shutdown_timeout + STOP_GRACE_S
+                deadline = time.monotonic() + shutdown_timeout + STOP_GRACE_S
             if core_watched and core.sentinel in ready:
                 core_watched = False
                 status = 1
                 logger.error("the engine core stopped (exit code %s)", core.exitcode)
-                deadline = _now() + STOP_GRACE_S  # its API processes fail their requests and exit 1
+                deadline = time.monotonic() + STOP_GRACE_S  # its API processes fail their requests and exit 1
             for sentinel in [s for s in ready if s in running]:
                 api = running.pop(sentinel)  # type: ignore[call-overload]
                 api.process.join()
@@ -157,12 +157,12 @@ def _supervise(processes: list[_ApiProcess], core: CoreProcess, shutdown_timeout
                     if not signals and core_watched:
                         logger.error("API process %d exited (code %s): stopping the server", api.index, code)
                         _tell(running.values(), EXIT)
-                        deadline = _now() + STOP_GRACE_S
-            if deadline is not None and _now() > deadline and running:
+                        deadline = time.monotonic() + STOP_GRACE_S
+            if deadline is not None and time.monotonic() > deadline and running:
                 logger.warning("killing %d API process(es) that did not exit", len(running))
                 for api in running.values():
                     api.process.kill()
-                deadline = _now() + STOP_GRACE_S
+                deadline = time.monotonic() + STOP_GRACE_S
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
@@ -173,7 +173,6 @@ def _supervise(processes: list[_ApiProcess], core: CoreProcess, shutdown_timeout
 
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
-_now = time.monotonic
 
 
 def _tell(processes: Any, command: str) -> None:

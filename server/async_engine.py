@@ -36,6 +36,7 @@ from engine.core_messages import (
     Hello,
     ResetPrefixCache,
     StepOutputs,
+    over_the_limit,
 )
 from engine.core_process import CoreHandle
 from engine.output_processor import OutputProcessor, ended_by_text
@@ -172,7 +173,6 @@ class AsyncEngine:
         self.observer = observer
         self.accepting = True
         self.on_core_lost: Callable[[], None] | None = None  # called once if the core process dies
-        self.snapshot: CoreStats = core.info.stats  # the engine's latest figures, for /metrics
         self._outputs = OutputProcessor(tokenizer)
         self._in_flight: dict[str, _InFlight] = {}
         self._awaiting_verdict: dict[str, RequestStream] = {}  # group id -> its stream
@@ -202,7 +202,7 @@ class AsyncEngine:
         self._socket.setsockopt(zmq.LINGER, GOODBYE_LINGER_MS)
         self._socket.connect(self.core.address)
         self._send(Hello())
-        self._publish(self.snapshot)
+        self._publish(self.core.info.stats)  # the figures it started with, until its answer
         self._heard_from_core = asyncio.Event()
         self._receiver = asyncio.ensure_future(self._receive())
         self._loop.add_reader(self.core.sentinel, self._core_exited)
@@ -215,10 +215,6 @@ class AsyncEngine:
     @property
     def is_alive(self) -> bool:
         return self._socket is not None and not self._core_lost
-
-    @property
-    def num_pending(self) -> int:
-        return len(self._in_flight)
 
     async def drain(self, timeout: float) -> None:
         """Refuse new requests, give the accepted ones `timeout` seconds, then abort the rest."""
@@ -299,9 +295,7 @@ class AsyncEngine:
         if not self.is_alive:
             raise AdmissionError("the engine core is not running")
         if len(self._in_flight) + count > self.max_pending:
-            raise AdmissionError(
-                f"too many pending requests ({len(self._in_flight)} accepted, at most {self.max_pending}); retry later"
-            )
+            raise AdmissionError(over_the_limit(len(self._in_flight), self.max_pending))
 
     def abort(self, request_ids: list[str]) -> None:
         """End these requests now (their streams get a final "abort" output) and tell the core."""
@@ -407,7 +401,6 @@ class AsyncEngine:
             done.set_exception(EngineLoopError(message.error))
 
     def _publish(self, stats: CoreStats) -> None:
-        self.snapshot = stats
         if self.observer:
             self.observer.on_stats(stats)
 
