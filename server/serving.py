@@ -22,7 +22,9 @@ from types import FrameType
 from typing import Any
 
 import uvicorn
+from fastapi import FastAPI
 
+from engine.core_process import CoreHandle
 from server.app import create_app
 from server.async_engine import AsyncEngine
 from server.metrics import ServerMetrics
@@ -38,8 +40,8 @@ def http_stack() -> tuple[str, str]:
     """uvicorn's HTTP parser and event loop: httptools and uvloop where installed (the server extra
     installs both; uvloop has no Windows build), else h11 and asyncio.
 
-    Each streamed token is an SSE event the event loop writes, on the thread that shares the GIL with
-    the engine loop; with httptools and uvloop the server spent 22.7 us of CPU a token instead of
+    Each streamed token is an SSE event the event loop writes; with httptools and uvloop the server
+    (then one process, the engine loop beside the event loop) spent 22.7 us of CPU a token instead of
     29-30 on h11 and asyncio (`python -m bench host-cost`, 64 streams, 2-core machine).
     """
     http = "httptools" if importlib.util.find_spec("httptools") else "h11"
@@ -171,7 +173,9 @@ def uvicorn_config(args: argparse.Namespace, app: Any) -> uvicorn.Config:
     )
 
 
-def app_from_flags(args: argparse.Namespace, core: Any, metrics: ServerMetrics | None = None) -> Any:
+def app_from_flags(
+    args: argparse.Namespace, core: CoreHandle, metrics: ServerMetrics | None = None
+) -> FastAPI:
     """`create_app` with the server's flags: the one app an API process serves."""
     return create_app(
         core,

@@ -453,7 +453,7 @@ def top_p_cutoffs(
             raise ValueError(f"{name} must be contiguous")
     if n <= 0:
         return
-    block = min(triton.next_power_of_2(logits.shape[1]), BISECT_BLOCK)
+    block, _ = _block(logits.shape[1], BISECT_BLOCK)  # its own warps: 4 logits a thread, below
     _top_p_bisect_kernel[(n,)](
         logits,
         rows,
