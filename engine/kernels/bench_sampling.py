@@ -14,6 +14,8 @@ forward pass; launch overhead included) and, where it can be captured, replayed 
   kernel for the rows the prefix cannot settle, bisect), cutoff then draw;
 - top_k=50 with top_p=0.9 (torch.topk, top-p within it) and the sort method;
 - min_p=0.05 (arithmetic: no candidates);
+- parts: torch.topk, the sort, the row mass in torch, and the top-p search kernel alone
+  (top_p_cutoffs over every row);
 - sampler: the engine's Sampler end to end (host staging and upload, then the draw) at temperature 1.0
   and at top_p 0.9 with the default method, and with presence, frequency and repetition penalties.
 
@@ -32,7 +34,7 @@ from dataclasses import asdict, dataclass
 import torch
 import triton
 
-from engine.kernels.sampling import sample_rows
+from engine.kernels.sampling import sample_rows, top_p_cutoffs
 from engine.kernels.sampling_reference import sample_reference
 from engine.kernels.timing import eager_ms, graph_ms
 from engine.sampler import FILTER_METHOD, FilterMethod, Sampler, SamplerConfig, filter_cutoffs
@@ -152,11 +154,23 @@ def draw_cases(logits: torch.Tensor) -> list[tuple[str, str, Callable[[], object
     )
     # The parts of the top-p methods, to see where their time goes.
     top = logits.amax(dim=-1, keepdim=True)
+    index = torch.arange(rows, dtype=torch.int32, device=device)
+    every_row = torch.ones(rows, dtype=torch.int32, device=device)
+    no_lower = torch.full((rows,), float("-inf"), device=device)
+    cutoff = torch.empty(rows, device=device)
     cases += [
         ("parts", "topk-256", lambda: logits.topk(256, dim=-1), True),
         ("parts", "topk-1024", lambda: logits.topk(1024, dim=-1), True),
         ("parts", "sort", lambda: logits.sort(dim=-1, descending=True), True),
         ("parts", "row-mass", lambda: (logits - top).div_(temperature[:, None]).exp_().sum(dim=-1), True),
+        (
+            "parts",
+            "top-p-search",  # the k-ary search alone, every row flagged, the rows' maxima given
+            lambda: top_p_cutoffs(
+                logits, index, temperature, top_p, no_lower, every_row, cutoff, top=top[:, 0]
+            ),
+            True,
+        ),
     ]
     return cases
 

@@ -2,23 +2,32 @@
 cutoff by a k-ary search. The sampler (engine/sampler.py) calls them on CUDA; engine/kernels/
 sampling_reference.py is their torch reference, which the CPU engine runs and the tests compare with.
 
-`sample_rows`: each row is split into chunks of the vocabulary, a program a chunk (so that even one
-row fills the GPU: 8 us at batch 1 on the H200, against 104 us for one program a row); a program keeps
-the tokens at or above the row's cutoff, adds temperature x Gumbel noise hashed from (key, position,
-token index) and keeps a running argmax per lane; a second small kernel merges the chunks. A draw
-reads the logits once and writes one token: no sort, no probabilities, no generator state. A row of
-temperature 0 takes the plain argmax (lowest index on ties, as torch).
+The kernels that walk the vocabulary split each row into chunks, a program a chunk, so that rows x
+chunks programs fill the GPU at any batch size (one program a row leaves most of it idle at small
+batches and walks 151,936 tokens alone). Since the chunk count follows the row count, it is passed
+unspecialized (do_not_specialize) and no constexpr depends on it: a kernel's compiled variants are
+the same at every batch size, so a warm-up at one row and at many compiles them all, and no JIT
+compile lands in the middle of serving.
+
+`sample_rows`: a program keeps the tokens of its chunk at or above the row's cutoff, adds temperature
+x Gumbel noise hashed from (key, position, token index) and keeps a running argmax per lane; a second
+small kernel merges the chunks (8 us at batch 1 on the H200, against 104 us for one program a row). A
+draw reads the logits once and writes one token: no sort, no probabilities, no generator state. A row
+of temperature 0 takes the plain argmax (lowest index on ties, as torch).
 
 `apply_penalties_in_place`: repetition, presence and frequency penalties from the count rows, in one
-pass over the penalized rows. `row_masses`: softmax's denominator of rows, split like the draw.
+pass over the penalized rows. `row_masses`: softmax's denominator of rows.
 
 `top_p_cutoffs`: for the rows flagged `needs`, the largest logit t whose tokens at or above it hold
 top_p of the row's mass (softmax at the row's temperature, over the tokens >= lower), found by a
-k-ary search over the float32 bit patterns of the logits, one program a row: a pass over the row
-finds its largest logit, then each pass weighs BISECT_THRESHOLDS (16) candidate cutoffs at once and
-narrows the interval 16-fold, so 1 + ceil(32 / 4) = 9 passes at most, no sort (a bisection took
-about 34). Rows not flagged are skipped at once, so the sampler can send it only the rows a cheaper
-method could not settle, without knowing on the host which those are.
+k-ary search over the float32 bit patterns of the logits in [lower, the row's largest logit]: each
+pass weighs BISECT_THRESHOLDS (16) candidate cutoffs at once and narrows the interval 16-fold, so
+ceil(32 / 4) = 8 passes at most, no sort (a bisection took about 34). A pass is a launch over every
+chunk of every row, each program first narrowing with the previous pass's masses of all the row's
+chunks: no atomics, no grid-wide barrier, no host sync (graph-capturable); 40 / 187 / 633 us at 1 /
+64 / 256 rows of 151,936 logits on the H200 from a CUDA graph, against 459 / 467 / 1277 us for one
+program a row. Rows not flagged are skipped at once, so the sampler can send it only the rows a
+cheaper method could not settle, without knowing on the host which those are.
 """
 
 from __future__ import annotations
@@ -30,13 +39,14 @@ import triton.language as tl
 from engine.kernels.sampling_reference import OUTPUT_COUNT_MASK
 
 # Vocabulary entries a program handles at a time: 4 KiB of float32 logits for the draw and the row
-# mass. The top-p search (one program a row, at most 9 passes over it) weighs BISECT_THRESHOLDS
-# cutoffs a pass, about two instructions a logit each. Its running sums are a
-# [BISECT_THRESHOLDS, BISECT_BLOCK] float32 tile: 64 registers a thread at 16 warps (4 logits a
-# thread; about 110 registers in all for sm_90, no spills), and 16 warps give the row's SM other
-# warps to run while some wait on their loads.
+# mass. The top-p search weighs BISECT_THRESHOLDS cutoffs a logit, about two instructions each, in
+# each pass; its running sums are a [BISECT_THRESHOLDS, BISECT_BLOCK] float32 tile, 64 registers a
+# thread at 4 logits a thread (BISECT_BLOCK // 128 warps). At 512 (4 warps) a program takes 96
+# registers on sm_90 with no spills, so five fit an SM and a row's chunks spread over all of them:
+# 186 us at 64 rows on the H200, against 205 us at 1024 (8 warps, two programs an SM) and 309 us at
+# 2048 (16 warps).
 SAMPLE_BLOCK = 1024
-BISECT_BLOCK = 2048
+BISECT_BLOCK = 512
 BISECT_THRESHOLDS = 16  # the k of the k-ary search: 8 passes narrow 2^32 keys to one
 
 
@@ -58,7 +68,7 @@ def _gumbel(state, index):
     return -tl.log(-tl.log(uniform))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chunk_blocks", "num_chunks"])
 def _sample_kernel(
     logits_ptr,  # [rows, vocab] float32, row stride logits_stride
     temperature_ptr,  # [rows] float32, stride param_stride (0: argmax)
@@ -66,16 +76,15 @@ def _sample_kernel(
     key_hi_ptr,  # [rows] int32
     position_ptr,  # [rows] int32: the token's index in its request's output
     cutoff_ptr,  # [rows] float32, contiguous; unused unless HAS_CUTOFF
-    best_score_ptr,  # [rows, num_chunks] float32: each chunk's best score (unused if ONE_CHUNK)
+    best_score_ptr,  # [rows, num_chunks] float32: each chunk's best score (unused if one chunk)
     best_index_ptr,  # [rows, num_chunks] int32: and its token
-    out_ptr,  # [rows] int64, written directly if ONE_CHUNK
+    out_ptr,  # [rows] int64, written directly if one chunk
     logits_stride,
     param_stride,
     vocab,
-    chunk_size,  # a multiple of BLOCK
+    chunk_blocks,  # BLOCKs a chunk (the last may hold fewer)
     num_chunks,
     HAS_CUTOFF: tl.constexpr,
-    ONE_CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -91,8 +100,8 @@ def _sample_kernel(
     cutoff = float("-inf")
     if HAS_CUTOFF:
         cutoff = tl.load(cutoff_ptr + row)
-    first = chunk * chunk_size
-    end = tl.minimum(first + chunk_size, vocab)
+    first = chunk * chunk_blocks * BLOCK  # a multiple of BLOCK, which the compiler sees: wide loads
+    end = tl.minimum(first + chunk_blocks * BLOCK, vocab)
     cols = tl.arange(0, BLOCK)
     # Each lane keeps its own best (scores, then their tokens) over the chunk; one reduction at the
     # end. A lane sees its tokens in increasing order and replaces only on a strictly greater score,
@@ -113,21 +122,21 @@ def _sample_kernel(
         best_index = tl.where(take, index, best_index)
     top = tl.max(best, axis=0)
     token = tl.min(tl.where(best == top, best_index, vocab), axis=0)
-    if ONE_CHUNK:
+    if num_chunks == 1:  # a runtime branch, not a constexpr: the same variant at every batch size
         tl.store(out_ptr + row, token.to(tl.int64))
     else:
         tl.store(best_score_ptr + row * num_chunks + chunk, top)
         tl.store(best_index_ptr + row * num_chunks + chunk, token)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks"])
 def _merge_chunks_kernel(
     best_score_ptr,  # [rows, num_chunks] float32
     best_index_ptr,  # [rows, num_chunks] int32
     out_ptr,  # [rows] int64
     num_chunks,
     vocab,
-    CHUNKS: tl.constexpr,  # next power of two >= num_chunks
+    CHUNKS: tl.constexpr,  # a power of two >= any row's chunk count: from the vocabulary, not the rows
 ):
     """The best of each row's chunks; on equal scores the lowest token (chunks hold ascending tokens)."""
     row = tl.program_id(0).to(tl.int64)
@@ -163,10 +172,10 @@ def _thresholds(low, high, K: tl.constexpr):
 
 
 @triton.jit
-def _masses_at_or_above(base, thresholds, top, scale, vocab, BLOCK: tl.constexpr):
+def _masses_at_or_above(base, thresholds, top, scale, first, end, BLOCK: tl.constexpr):
     """[K] float32: for each of the [K] float32 thresholds, the sum of 2^((logit - top) * scale)
-    over the row's logits >= it; scale = log2(e) / T, so each term is exp((logit - top) / T), with
-    one multiply and the hardware's exp2, once a logit for all K thresholds.
+    over the logits of base[first:end] >= it; scale = log2(e) / T, so each term is
+    exp((logit - top) / T), with one multiply and the hardware's exp2, once a logit for all K.
 
     The running sums are a [K, BLOCK] tile, thresholds along the first axis so that a thread holds
     all K sums of its logits, reduced once at the end. Every threshold's sum adds the same terms in
@@ -176,12 +185,24 @@ def _masses_at_or_above(base, thresholds, top, scale, vocab, BLOCK: tl.constexpr
     fused multiply-add, whatever the compiler's fusion default) instead of three."""
     cols = tl.arange(0, BLOCK)
     total = tl.zeros((thresholds.shape[0], BLOCK), tl.float32)
-    for start in range(0, vocab, BLOCK):
+    # Three blocks' loads in flight while it weighs one (186 us at 64 rows on the H200, 228 without).
+    for start in tl.range(first, end, BLOCK, num_stages=4):
         index = start + cols
-        logit = tl.load(base + index, mask=index < vocab, other=float("-inf"))
+        logit = tl.load(base + index, mask=index < end, other=float("-inf"))
         weight = tl.exp2((logit - top) * scale)
         total = tl.fma(weight[None, :], (logit[None, :] >= thresholds[:, None]).to(tl.float32), total)
     return tl.sum(total, axis=1)
+
+
+@triton.jit
+def _row_masses_at_keys(partial, num_chunks, K: tl.constexpr, CHUNKS: tl.constexpr):
+    """[K] float32: one pass's masses of a row, its chunks' [num_chunks, K] partial masses (at
+    `partial`) summed. Every program that calls this on the same partials (all of them run this one
+    compiled kernel) gets the same bits, and a column's sum adds the same chunks in the same order
+    whatever its key, so the row's masses keep the order of its chunks' masses."""
+    chunk = tl.arange(0, CHUNKS)[:, None]
+    masses = tl.load(partial + chunk * K + tl.arange(0, K)[None, :], mask=chunk < num_chunks, other=0.0)
+    return tl.sum(masses, axis=0)
 
 
 @triton.jit
@@ -197,56 +218,82 @@ def _narrow(keys, masses, target, high, K: tl.constexpr):
     return low, tl.where(last == K - 1, high, tl.maximum(above - 1, low))
 
 
-@triton.jit
-def _top_p_bisect_kernel(
+@triton.jit(do_not_specialize=["chunk_blocks", "num_chunks", "pass_index"])
+def _top_p_pass_kernel(
     logits_ptr,  # [*, vocab] float32, row stride logits_stride
     rows_ptr,  # [n] int32: the logits row of each entry
+    top_ptr,  # [n] float32: the row's largest logit
     temperature_ptr,  # [n] float32 (> 0)
     top_p_ptr,  # [n] float32
     lower_ptr,  # [n] float32: min-p's cutoff, -inf when off
     needs_ptr,  # [n] int32: 0 skips the entry (its cutoff is left as it is)
-    cutoff_ptr,  # [n] float32, written where needs
+    cutoff_ptr,  # [n] float32, written where needs by the last launch
+    target_ptr,  # [n] float32: the mass the search looks for, stored by pass 1's chunk-0 program
+    state_ptr,  # [n, passes, 2] int64: (low, high) of each pass, stored by its chunk-0 program
+    partial_ptr,  # [n, passes, num_chunks, K] float32: each pass's masses at its keys, by chunk
     logits_stride,
     vocab,
+    chunk_blocks,  # BLOCKs a chunk (the last may hold fewer)
+    num_chunks,
+    pass_index,  # 0 .. passes - 1: a search pass; passes: the last launch, grid (n, 1)
+    passes,
     K: tl.constexpr,  # keys weighed a pass (a power of two, at least 2)
     BLOCK: tl.constexpr,
+    CHUNKS: tl.constexpr,  # a power of two >= any row's chunk count: from the vocabulary
 ):
-    """The nucleus cutoff of each flagged entry's row by a K-ary search (named for the sampler's
-    "bisect" method, which calls it; it bisected before it searched K-ary)."""
+    """One pass of the nucleus search of each flagged entry's row, over one chunk of the row.
+
+    A K-ary search over the float32 order of [lower, top] for the largest key whose mass (tokens at
+    or above it) reaches target = top_p x the mass at lower: a logit, since the mass only changes at
+    logit values. Invariant: the answer is in [low, high], and the mass at low reaches target. Each
+    pass's programs first narrow (low, high) with the previous pass's masses, summed over its
+    chunks, keeping the interval between the last key that reaches target and the next: high - low
+    drops to at most (high - low) // K, so from fewer than 2^32 keys `passes` = ceil(32 / log2(K))
+    passes (8 at K = 16) leave low == high, which the last launch writes as the cutoff. Then each
+    weighs K keys from low up (_thresholds) over its chunk. Pass 0's first key is lower itself, so
+    pass 1 finds the row's mass at lower in the first column. A search that ends early (low == high)
+    weighs nothing more: the later passes only carry its state on."""
     entry = tl.program_id(0)
+    chunk = tl.program_id(1)
     if tl.load(needs_ptr + entry) != 0:
-        row = tl.load(rows_ptr + entry).to(tl.int64)
-        base = logits_ptr + row * logits_stride
-        scale = 1.4426950408889634 / tl.load(temperature_ptr + entry)
-        lower = tl.load(lower_ptr + entry)
-        cols = tl.arange(0, BLOCK)
-        top_block = tl.full((BLOCK,), float("-inf"), tl.float32)
-        for start in range(0, vocab, BLOCK):
-            index = start + cols
-            top_block = tl.maximum(top_block, tl.load(base + index, mask=index < vocab, other=float("-inf")))
-        top = tl.max(top_block, axis=0)
-        # K-ary search over the float32 order of [lower, top] for the largest key whose mass (tokens
-        # at or above it) reaches target: a logit, since the mass only changes at logit values.
-        # Invariant: the answer is in [low, high], and the mass at low reaches target. A pass weighs
-        # K keys from low up (_thresholds) and keeps the interval between the last that reaches
-        # target and the next: high - low drops to at most (high - low) // K, so from fewer than
-        # 2^32 keys at most ceil(32 / log2(K)) passes (8 at K = 16) reach low == high.
-        low = _ordered(lower)
-        high = tl.maximum(_ordered(top), low)  # lower above top: the answer is lower, as it was
-        # The first pass also weighs the row: its first key is lower itself, so masses[0] is the
-        # mass of the tokens >= lower, of which target is top_p.
-        keys = _thresholds(low, high, K)
-        masses = _masses_at_or_above(base, _from_ordered(keys), top, scale, vocab, BLOCK)
-        target = tl.load(top_p_ptr + entry) * tl.sum(tl.where(tl.arange(0, K) == 0, masses, 0.0), axis=0)
-        low, high = _narrow(keys, masses, target, high, K)
-        while low < high:
-            keys = _thresholds(low, high, K)
-            masses = _masses_at_or_above(base, _from_ordered(keys), top, scale, vocab, BLOCK)
-            low, high = _narrow(keys, masses, target, high, K)
-        tl.store(cutoff_ptr + entry, _from_ordered(low))
+        state = state_ptr + entry * passes * 2  # this entry's [passes, 2]
+        partial = partial_ptr + entry * passes * num_chunks * K  # its [passes, num_chunks, K]
+        top = tl.load(top_ptr + entry)
+        if pass_index == 0:
+            low = _ordered(tl.load(lower_ptr + entry))
+            high = tl.maximum(_ordered(top), low)  # lower above top: the answer is lower
+        else:
+            low = tl.load(state + (pass_index - 1) * 2)
+            high = tl.load(state + (pass_index - 1) * 2 + 1)
+            if low < high:  # the previous pass weighed its keys: narrow with their masses
+                masses = _row_masses_at_keys(
+                    partial + (pass_index - 1) * num_chunks * K, num_chunks, K, CHUNKS
+                )
+                if pass_index == 1:
+                    at_lower = tl.sum(tl.where(tl.arange(0, K) == 0, masses, 0.0), axis=0)
+                    target = tl.load(top_p_ptr + entry) * at_lower
+                    if chunk == 0:
+                        tl.store(target_ptr + entry, target)
+                else:
+                    target = tl.load(target_ptr + entry)
+                low, high = _narrow(_thresholds(low, high, K), masses, target, high, K)
+        if pass_index == passes:
+            tl.store(cutoff_ptr + entry, _from_ordered(low))
+        else:
+            if chunk == 0:  # the next pass reads this slot; this pass's programs read the previous one
+                tl.store(state + pass_index * 2, low)
+                tl.store(state + pass_index * 2 + 1, high)
+            if low < high:
+                base = logits_ptr + tl.load(rows_ptr + entry).to(tl.int64) * logits_stride
+                scale = 1.4426950408889634 / tl.load(temperature_ptr + entry)
+                first = chunk * chunk_blocks * BLOCK
+                end = tl.minimum(first + chunk_blocks * BLOCK, vocab)
+                keys = _from_ordered(_thresholds(low, high, K))
+                masses = _masses_at_or_above(base, keys, top, scale, first, end, BLOCK)
+                tl.store(partial + (pass_index * num_chunks + chunk) * K + tl.arange(0, K), masses)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chunk_blocks", "num_chunks"])
 def _row_mass_kernel(
     logits_ptr,  # [*, vocab] float32, row stride logits_stride
     rows_ptr,  # [n] int32: the logits row of each entry
@@ -256,7 +303,7 @@ def _row_mass_kernel(
     partial_ptr,  # [n, num_chunks] float32: each chunk's sum
     logits_stride,
     vocab,
-    chunk_size,  # a multiple of BLOCK
+    chunk_blocks,  # BLOCKs a chunk (the last may hold fewer)
     num_chunks,
     BLOCK: tl.constexpr,
 ):
@@ -266,8 +313,8 @@ def _row_mass_kernel(
     scale = 1.4426950408889634 / tl.load(temperature_ptr + entry)
     top = tl.load(top_ptr + entry)
     lower = tl.load(lower_ptr + entry)
-    first = chunk * chunk_size
-    end = tl.minimum(first + chunk_size, vocab)
+    first = chunk * chunk_blocks * BLOCK
+    end = tl.minimum(first + chunk_blocks * BLOCK, vocab)
     cols = tl.arange(0, BLOCK)
     total = tl.zeros((BLOCK,), tl.float32)
     for start in range(first, end, BLOCK):
@@ -277,7 +324,7 @@ def _row_mass_kernel(
     tl.store(partial_ptr + entry * num_chunks + chunk, tl.sum(total, axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chunk_blocks"])
 def _penalties_kernel(
     logits_ptr,  # [rows, vocab] float32, row stride logits_stride: penalized in place
     counts_ptr,  # [pool, vocab] int32, row stride counts_stride: PROMPT_FLAG | output count
@@ -290,7 +337,7 @@ def _penalties_kernel(
     counts_stride,
     param_stride,
     vocab,
-    chunk_size,  # a multiple of BLOCK
+    chunk_blocks,  # BLOCKs a chunk (the last may hold fewer)
     OUTPUT_COUNT_MASK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -302,8 +349,8 @@ def _penalties_kernel(
     presence = tl.load(presence_ptr + row * param_stride)
     frequency = tl.load(frequency_ptr + row * param_stride)
     repetition = tl.load(repetition_ptr + row * param_stride)
-    first = chunk * chunk_size
-    end = tl.minimum(first + chunk_size, vocab)
+    first = chunk * chunk_blocks * BLOCK
+    end = tl.minimum(first + chunk_blocks * BLOCK, vocab)
     cols = tl.arange(0, BLOCK)
     for start in range(first, end, BLOCK):
         index = start + cols
@@ -350,6 +397,20 @@ def _programs_wanted(device: torch.device) -> int:
     return 4 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _chunks(vocab: int, block: int, rows: int, device: torch.device) -> tuple[int, int]:
+    """(num_chunks, chunk_blocks): each row split into num_chunks chunks of chunk_blocks whole blocks
+    (the last may hold fewer), so that rows x num_chunks programs fill the device; a block at least."""
+    blocks = triton.cdiv(vocab, block)
+    chunk_blocks = triton.cdiv(blocks, min(max(_programs_wanted(device) // max(rows, 1), 1), blocks))
+    return triton.cdiv(blocks, chunk_blocks), chunk_blocks
+
+
+def _max_chunks(vocab: int, block: int) -> int:
+    """A power of two >= the chunk count of any batch size (one chunk a block at most): a constexpr
+    bound that depends on the vocabulary only, so that no kernel variant depends on the batch."""
+    return triton.next_power_of_2(triton.cdiv(vocab, block))
+
+
 def sample_rows(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -383,16 +444,11 @@ def sample_rows(
     if rows == 0:
         return out
     block, num_warps = _block(vocab, SAMPLE_BLOCK)
-    # Split each row into chunks of whole blocks so that rows x chunks programs fill the device: one
-    # program a row would leave most of it idle at small batches (and walk 151,936 tokens alone).
-    num_chunks = min(max(_programs_wanted(logits.device) // rows, 1), triton.cdiv(vocab, block))
-    chunk_size = triton.cdiv(triton.cdiv(vocab, num_chunks), block) * block
-    num_chunks = triton.cdiv(vocab, chunk_size)
-    one_chunk = num_chunks == 1
-    best_score = (
-        out if one_chunk else torch.empty(rows, num_chunks, dtype=torch.float32, device=logits.device)
-    )
-    best_index = out if one_chunk else torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
+    num_chunks, chunk_blocks = _chunks(vocab, block, rows, logits.device)
+    # Allocated even for one chunk (then the kernel writes out itself), so that the kernel's
+    # signature, and so its compiled variant, is the same at every batch size.
+    best_score = torch.empty(rows, num_chunks, dtype=torch.float32, device=logits.device)
+    best_index = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
     _sample_kernel[(rows, num_chunks)](
         logits,
         temperature,
@@ -406,16 +462,15 @@ def sample_rows(
         logits.stride(0),
         temperature.stride(0),
         vocab,
-        chunk_size,
+        chunk_blocks,
         num_chunks,
         HAS_CUTOFF=cutoff is not None,
-        ONE_CHUNK=one_chunk,
         BLOCK=block,
         num_warps=num_warps,
     )
-    if not one_chunk:
+    if num_chunks > 1:
         _merge_chunks_kernel[(rows,)](
-            best_score, best_index, out, num_chunks, vocab, CHUNKS=triton.next_power_of_2(num_chunks)
+            best_score, best_index, out, num_chunks, vocab, CHUNKS=_max_chunks(vocab, block)
         )
     return out
 
@@ -428,15 +483,18 @@ def top_p_cutoffs(
     lower: torch.Tensor,
     needs: torch.Tensor,
     cutoff: torch.Tensor,
+    top: torch.Tensor | None = None,
 ) -> None:
     """Write into cutoff[i], for each i with needs[i] != 0, the nucleus cutoff of logits[rows[i]]
     (as sampling_reference.top_p_cutoffs_reference, up to the float32 order of summation), by a
-    k-ary search over the float32 order of [lower, top], one program a row: one pass over the row
-    for its largest logit, then passes that each weigh BISECT_THRESHOLDS cutoffs (the first also
-    the row's mass), 9 passes in all at most (ceil(32 / log2(16)) = 8 of them searching).
+    k-ary search over the float32 order of [lower, top]: ceil(32 / log2(BISECT_THRESHOLDS)) = 8
+    launches that each weigh BISECT_THRESHOLDS cutoffs over every chunk of every row (the first
+    also the row's mass), then one that narrows with the last of them and writes cutoff. A fixed
+    number of launches, no host sync: graph-capturable.
 
     logits: [*, vocab] float32, last dim contiguous. rows, needs: [n] int32; temperature (> 0),
-    top_p, lower: [n] float32; cutoff: [n] float32, written in place. All contiguous.
+    top_p, lower: [n] float32; cutoff: [n] float32, written in place. top: [n] float32, each row's
+    largest logit (the sampler has it), or None to compute it here. All contiguous.
     """
     _check_logits(logits)
     n = rows.shape[0] if rows.dim() == 1 else -1
@@ -447,27 +505,49 @@ def top_p_cutoffs(
         ("top_p", top_p, torch.float32),
         ("lower", lower, torch.float32),
         ("cutoff", cutoff, torch.float32),
+        ("top", rows if top is None else top, torch.int32 if top is None else torch.float32),
     ):
         _check(name, tensor, (max(n, 0),), dtype, logits)
         if n > 1 and tensor.stride(0) != 1:
             raise ValueError(f"{name} must be contiguous")
     if n <= 0:
         return
-    block, _ = _block(logits.shape[1], BISECT_BLOCK)  # its own warps: 4 logits a thread, below
-    _top_p_bisect_kernel[(n,)](
-        logits,
-        rows,
-        temperature,
-        top_p,
-        lower,
-        needs,
-        cutoff,
-        logits.stride(0),
-        logits.shape[1],
-        K=BISECT_THRESHOLDS,
-        BLOCK=block,
-        num_warps=min(max(block // 128, 1), 16),  # 4 logits a thread: 4 x K running sums
-    )
+    if top is None:
+        top = logits.index_select(0, rows.long()).amax(dim=-1)
+    vocab = logits.shape[1]
+    block, _ = _block(vocab, BISECT_BLOCK)
+    num_chunks, chunk_blocks = _chunks(vocab, block, n, logits.device)
+    keys = BISECT_THRESHOLDS
+    passes = triton.cdiv(32, keys.bit_length() - 1)
+    # Scratch: each pass's search state and masses in slots of their own, so that a pass's programs
+    # read the previous pass's slots while its chunk-0 programs write its own (no race, no atomics).
+    target = torch.empty(n, dtype=torch.float32, device=logits.device)
+    state = torch.empty(n, passes, 2, dtype=torch.int64, device=logits.device)
+    partial = torch.empty(n, passes, num_chunks, keys, dtype=torch.float32, device=logits.device)
+    for pass_index in range(passes + 1):
+        _top_p_pass_kernel[(n, num_chunks if pass_index < passes else 1)](
+            logits,
+            rows,
+            top,
+            temperature,
+            top_p,
+            lower,
+            needs,
+            cutoff,
+            target,
+            state,
+            partial,
+            logits.stride(0),
+            vocab,
+            chunk_blocks,
+            num_chunks,
+            pass_index,
+            passes,
+            K=keys,
+            BLOCK=block,
+            CHUNKS=_max_chunks(vocab, block),
+            num_warps=min(max(block // 128, 1), 16),  # 4 logits a thread: 4 x K running sums
+        )
 
 
 def row_masses(
@@ -497,9 +577,7 @@ def row_masses(
             raise ValueError(f"{name} must be contiguous")
     vocab = logits.shape[1]
     block, num_warps = _block(vocab, SAMPLE_BLOCK)
-    num_chunks = min(max(_programs_wanted(logits.device) // max(n, 1), 1), triton.cdiv(vocab, block))
-    chunk_size = triton.cdiv(triton.cdiv(vocab, num_chunks), block) * block
-    num_chunks = triton.cdiv(vocab, chunk_size)
+    num_chunks, chunk_blocks = _chunks(vocab, block, n, logits.device)
     partial = torch.empty(max(n, 0), num_chunks, dtype=torch.float32, device=logits.device)
     if n > 0:
         _row_mass_kernel[(n, num_chunks)](
@@ -511,7 +589,7 @@ def row_masses(
             partial,
             logits.stride(0),
             vocab,
-            chunk_size,
+            chunk_blocks,
             num_chunks,
             BLOCK=block,
             num_warps=num_warps,
@@ -554,9 +632,8 @@ def apply_penalties_in_place(
     if n <= 0:
         return
     block, num_warps = _block(vocab, SAMPLE_BLOCK)
-    num_chunks = min(max(_programs_wanted(logits.device) // n, 1), triton.cdiv(vocab, block))
-    chunk_size = triton.cdiv(triton.cdiv(vocab, num_chunks), block) * block
-    _penalties_kernel[(n, triton.cdiv(vocab, chunk_size))](
+    num_chunks, chunk_blocks = _chunks(vocab, block, n, logits.device)
+    _penalties_kernel[(n, num_chunks)](
         logits,
         counts,
         batch_rows,
@@ -568,7 +645,7 @@ def apply_penalties_in_place(
         counts.stride(0),
         presence.stride(0),
         vocab,
-        chunk_size,
+        chunk_blocks,
         OUTPUT_COUNT_MASK=OUTPUT_COUNT_MASK,
         BLOCK=block,
         num_warps=num_warps,

@@ -9,10 +9,12 @@ near-tie under the reference's own scores (NEAR_TIE), and there must be almost n
 top_p_cutoffs: the k-ary search must find the reference's cutoff (a full sort), exactly, on rows
 where no candidate's cumulative mass lies within float32 summation error of top_p: random rows, and
 rows built so that the cutoff falls on ties, on lower or top itself, on neighbouring float32 values,
-across zero, at top_p 1 and tiny top_p, with -inf logits, searched 2-, 4- and 16-ary.
+across zero, at top_p 1 and tiny top_p, with -inf logits, searched 2-, 4- and 16-ary, and with rows
+split over many programs a pass (blocks made small so that tiny rows span many chunks).
 
 CPU (interpreter): tiny shapes, float32 logits (the sampler always gets float32). CUDA (gpu): the
-vocabulary of qwen2.5 (151,936) at 1, 64 and 256 rows, and replay from a CUDA graph.
+vocabulary of qwen2.5 (151,936) at 1, 64 and 256 rows, replay from a CUDA graph, and no kernel
+compiled at a new batch size after a warm-up at one row and at many.
 """
 
 from __future__ import annotations
@@ -153,21 +155,25 @@ def test_top_p_search_matches_the_sort(device, vocab):
 
 
 def test_top_p_search_reads_the_rows_it_is_given(device):
+    """Entries read their logits row through `rows` (a row twice); the rows' largest logits given
+    (as the sampler has them) or computed inside give the same cutoffs."""
     logits, temperature, top_p, lower = _nucleus_case(8, 64, device, seed=11)
     rows = torch.tensor([5, 0, 5], dtype=torch.int32, device=device)
     pick = rows.long()
-    cutoff = torch.empty(3, device=device)
-    top_p_cutoffs(
-        logits,
-        rows,
-        temperature[pick].contiguous(),
-        top_p[pick].contiguous(),
-        lower[pick].contiguous(),
-        torch.ones(3, dtype=torch.int32, device=device),
-        cutoff,
-    )
     expected = top_p_cutoffs_reference(logits[pick], temperature[pick], top_p[pick], lower[pick])
-    assert torch.equal(cutoff, expected)
+    for top in (None, logits[pick].amax(-1)):
+        cutoff = torch.empty(3, device=device)
+        top_p_cutoffs(
+            logits,
+            rows,
+            temperature[pick].contiguous(),
+            top_p[pick].contiguous(),
+            lower[pick].contiguous(),
+            torch.ones(3, dtype=torch.int32, device=device),
+            cutoff,
+            top=top,
+        )
+        assert torch.equal(cutoff, expected)
 
 
 ULP = 2.0**-23  # float32 spacing just above 1.0
@@ -218,6 +224,24 @@ NUCLEUS_EDGES = [
 ]
 
 
+def _edge_rows(cases, vocab: int, device: torch.device, seed: int):
+    """The cases' designed logits scattered among -inf in rows of `vocab`, and their temperature,
+    top_p, lower and expected cutoff as [len(cases)] float32."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for _, values, *_ in cases:
+        designed = torch.tensor([value for value, count in values for _ in range(count)])
+        assert len(designed) == 37
+        pad = designed[0].item() if len(values) == 1 else -INF  # an all-equal row stays all equal
+        row = torch.full((vocab,), pad)
+        row[torch.randperm(vocab, generator=generator)[:37]] = designed
+        rows.append(row)
+    columns = (
+        torch.tensor([case[i] for case in cases], dtype=torch.float32, device=device) for i in range(2, 6)
+    )
+    return (torch.stack(rows).to(device), *columns)
+
+
 @pytest.mark.parametrize("thresholds", [2, 4, 16])
 @pytest.mark.parametrize("vocab", [37, 3000])  # the designed logits alone; scattered among -inf
 def test_top_p_search_edge_cases(device, monkeypatch, vocab, thresholds):
@@ -225,21 +249,8 @@ def test_top_p_search_edge_cases(device, monkeypatch, vocab, thresholds):
     off-by-one in the search would show: ties at the cutoff, the cutoff at lower or at top itself,
     neighbouring float32 values (the last passes weigh fewer than K keys), mixed signs."""
     monkeypatch.setattr(sampling, "BISECT_THRESHOLDS", thresholds)
-    generator = torch.Generator().manual_seed(vocab)
-    rows = []
-    for _, values, *_ in NUCLEUS_EDGES:
-        designed = torch.tensor([value for value, count in values for _ in range(count)])
-        assert len(designed) == 37
-        pad = designed[0].item() if len(values) == 1 else -INF  # an all-equal row stays all equal
-        row = torch.full((vocab,), pad)
-        row[torch.randperm(vocab, generator=generator)[:37]] = designed
-        rows.append(row)
-    logits = torch.stack(rows).to(device)
+    logits, temperature, top_p, lower, expected = _edge_rows(NUCLEUS_EDGES, vocab, device, seed=vocab)
     n = len(NUCLEUS_EDGES)
-    temperature, top_p, lower, expected = (
-        torch.tensor([case[i] for case in NUCLEUS_EDGES], dtype=torch.float32, device=device)
-        for i in range(2, 6)
-    )
     cutoff = torch.full((n,), 123.0, device=device)
     index = torch.arange(n, dtype=torch.int32, device=device)
     top_p_cutoffs(logits, index, temperature, top_p, lower, torch.ones_like(index), cutoff)
@@ -250,6 +261,32 @@ def test_top_p_search_edge_cases(device, monkeypatch, vocab, thresholds):
     assert dict(zip(ids, cutoff.tolist(), strict=True)) == wanted
     # The largest key of the mass: +0.0, above -0.0 in the float32 order, though they compare equal.
     assert torch.signbit(cutoff[ids.index("signs-zero")]).item() is False
+
+
+@pytest.mark.parametrize(
+    "cases,vocab,programs",
+    [
+        ([13], 300, 64),  # one row in 19 chunks of one block
+        ([0, 7, 12, 13, 20], 300, 48),  # 5 rows: 9 chunks wanted, 7 of 3 blocks, the last of 1
+        ([1, 4, 6, 10, 15, 16, 21], 1000, 48),  # 7 rows: 6 chunks of 11 blocks, the last of 8
+    ],
+    ids=["one-row", "five-rows", "seven-rows"],
+)
+def test_top_p_search_split_over_chunks(device, monkeypatch, cases, vocab, programs):
+    """Rows split over many programs a pass (blocks of 16 logits, many programs wanted): the chunks'
+    masses summed in every program give the cutoffs worked out by hand. Unflagged rows keep their
+    value; the others do not depend on them."""
+    monkeypatch.setattr(sampling, "BISECT_BLOCK", 16)
+    monkeypatch.setattr(sampling, "_programs_wanted", lambda device: programs)
+    picked = [NUCLEUS_EDGES[i] for i in cases]
+    logits, temperature, top_p, lower, expected = _edge_rows(picked, vocab, device, seed=len(cases))
+    n = len(picked)
+    index = torch.arange(n, dtype=torch.int32, device=device)
+    needs = torch.ones_like(index)
+    needs[1::3] = 0  # the 2nd and 5th rows of five and seven: skipped
+    cutoff = torch.full((n,), 123.0, device=device)
+    top_p_cutoffs(logits, index, temperature, top_p, lower, needs, cutoff)
+    assert torch.equal(cutoff, torch.where(needs.bool(), expected, 123.0))
 
 
 @pytest.mark.parametrize("vocab", [1, 300, 5000])
@@ -363,3 +400,46 @@ def test_gpu_cuda_graph_replay_reads_new_inputs():
     graph.replay()
     torch.cuda.synchronize()
     assert_same_tokens(out, logits, temperature, None, key_lo, key_hi, position, exact=False)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_no_new_variant_at_a_new_batch_size():
+    """After each function ran at one row and at many, no other batch size compiles a kernel: the
+    chunk counts that follow the row count are unspecialized, and no constexpr depends on them."""
+    import triton
+
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
+        pytest.skip(f"triton {triton.__version__} has no jit_post_compile_hook")
+    device = torch.device("cuda")
+
+    def run_all(rows: int) -> None:
+        logits, temperature, key_lo, key_hi, position = make_rows(rows, VOCAB, device, seed=rows)
+        index = torch.arange(rows, dtype=torch.int32, device=device)
+        ones = torch.ones(rows, device=device)
+        cutoff = logits.topk(50, dim=-1).values[:, -1].contiguous()
+        sample_rows(logits, temperature, key_lo, key_hi, position)
+        sample_rows(logits, temperature, key_lo, key_hi, position, cutoff=cutoff)
+        lower = torch.full((rows,), float("-inf"), device=device)
+        top_p_cutoffs(logits, index, ones, ones * 0.9, lower, torch.ones_like(index), cutoff)
+        row_masses(logits, index, logits.amax(-1), ones, lower)
+        counts = torch.ones(rows, VOCAB, dtype=torch.int32, device=device)
+        penalty = torch.ones(rows, 3, device=device)  # columns of one table, as the sampler's
+        apply_penalties_in_place(logits, counts, index, index, penalty[:, 0], penalty[:, 1], penalty[:, 2])
+
+    for rows in (1, 256):  # the warm-up
+        run_all(rows)
+    compiled: list[str] = []
+    previous = runtime.jit_post_compile_hook
+
+    def hook(**kwargs):
+        compiled.append(kwargs["repr"])
+
+    runtime.jit_post_compile_hook = hook
+    try:
+        for rows in (2, 3, 17, 64, 100, 300, 600):  # 300 and more: one chunk a row on the H200
+            run_all(rows)
+    finally:
+        runtime.jit_post_compile_hook = previous
+    assert compiled == []
