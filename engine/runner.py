@@ -168,9 +168,14 @@ class ModelRunner:
         with forward_context(meta):
             hidden = self.model(self.buffers.input_ids[:num_tokens], self.buffers.positions[:num_tokens])
         sampled = hidden[: min(config.max_num_seqs, num_tokens)]
-        self.model.compute_logits(sampled).softmax(dim=-1)
+        # The largest step's logits, then the sampler's every path over them (compiling its kernels now,
+        # not during the first sampled step), within the peak that sizes the KV cache; the softmax
+        # stands for a second temporary of the logits' size (the sampler's copy of filtered rows).
+        logits = self.model.compute_logits(sampled)
+        self.sampler.warm_up(logits)
+        logits.softmax(dim=-1)
         self.model.bind_kv_caches([torch.empty(0)] * self.config.num_layers)
-        del hidden, sampled
+        del hidden, sampled, logits
 
     def capture_graphs(self) -> None:
         """Capture the decode graphs (once the KV cache is bound); a no-op where graphs do not apply."""

@@ -33,6 +33,7 @@ from engine.kernels.sampling_reference import (
     top_p_cutoffs_reference,
 )
 from engine.penalties import PenaltyCounts, apply_penalties
+from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
 MASK64 = (1 << 64) - 1
@@ -68,16 +69,29 @@ class FilterMethod:
     logits (randn: the nucleus is most of the vocabulary, every row falls back) prefix 769 / 814 / 982
     / 2,500. One row: sort 134 us, prefix 143 (755 flat): hence sort_rows = 1. With the cutoff kernel
     a 16-ary search (at most 9 passes over a row, not ~34), at 64 / 256 rows: bisect 538 / 1,483 us
-    (either shape), prefix 1024 peaked 334 / 948, flat 799 / 2,225: prefix stays the default, as
-    peaked logits are what trained models give.
+    (either shape), prefix 1024 peaked 334 / 948, flat 799 / 2,225. With each pass of that search
+    split over several programs a row (engine/kernels/sampling.py), bisect took 74 / 296 / 964 us at
+    1 / 64 / 256 rows, either shape: less than prefix over peaked logits and than the sort of one
+    row, so bisect is the default and no row count sorts.
     """
 
-    top_p: Literal["sort", "prefix", "bisect"] = "prefix"
+    top_p: Literal["sort", "prefix", "bisect"] = "bisect"
     prefix: int = 1024
-    sort_rows: int = 1
+    sort_rows: int = 0
 
 
 FILTER_METHOD = FilterMethod()  # chosen by engine/kernels/bench_sampling.py on the H200
+
+# What `Sampler.warm_up` draws with: every path of `sample` (the draw alone; top-p alone; top-k with
+# top-p and min-p; the penalties), so that each kernel those paths launch has been compiled.
+WARM_UP_PARAMS = (
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=1.0, top_p=0.95),
+    SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05),
+    SamplingParams(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1),
+)
+# Sequence ids of the warm-up's rows: far above any the engine hands out (it counts up from 0).
+WARM_UP_SEQ_ID = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -246,6 +260,26 @@ class Sampler:
             self._free_slots.append(slot)
         self.penalties.drop(seq_id)
 
+    def warm_up(self, logits: torch.Tensor) -> None:
+        """Draw from `logits` ([rows, vocab] float32: scratch, overwritten) with each of
+        WARM_UP_PARAMS, at one row and at every row, and forget those rows.
+
+        Why: Triton compiles a kernel's variant the first time it is launched (a fraction of a second
+        each), and the sampler's first sampled step would otherwise pay for it in the middle of
+        serving. The kernels' variants do not depend on the row count (engine/kernels/sampling.py),
+        so one row and many cover every batch. The engine's start-up profile run calls this on its
+        largest logits, so the memory it takes is counted before the KV cache is sized.
+        """
+        for params in WARM_UP_PARAMS:
+            for rows in sorted({1, logits.shape[0]}):
+                seqs = [
+                    Sequence(WARM_UP_SEQ_ID + i, "warm-up", [i % self.vocab_size], params)
+                    for i in range(rows)
+                ]
+                self.sample(logits[:rows], self.prepare(seqs))
+                for seq in seqs:
+                    self.release(seq.seq_id)
+
     # -- device side -----------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """logits [rows, vocab] float32 (modified in place by penalties) -> [rows] int64 token ids, on
@@ -407,7 +441,16 @@ def filter_cutoffs(
         if logits.device.type == "cuda":
             from engine.kernels.sampling import top_p_cutoffs
 
-            top_p_cutoffs(logits, rows, temperature, top_p.contiguous(), lower, unsettled.int(), cutoff)
+            top_p_cutoffs(
+                logits,
+                rows,
+                temperature,
+                top_p.contiguous(),
+                lower,
+                unsettled.int(),
+                cutoff,
+                top=top.contiguous(),
+            )
         else:  # the host may look: sort just those rows
             index = unsettled.nonzero()[:, 0]
             if len(index):

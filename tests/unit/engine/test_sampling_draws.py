@@ -24,7 +24,14 @@ from engine.kernels.sampling_reference import (
     sample_reference,
     uniform_from_bits,
 )
-from engine.sampler import FilterMethod, Sampler, SamplerConfig, filter_cutoffs, request_key
+from engine.sampler import (
+    WARM_UP_PARAMS,
+    FilterMethod,
+    Sampler,
+    SamplerConfig,
+    filter_cutoffs,
+    request_key,
+)
 from engine.sequence import Sequence
 
 DRAWS = 20_000
@@ -302,3 +309,17 @@ def test_the_table_grows_and_released_rows_are_reused():
     for i in range(200):
         sampler.release(i)
     assert not sampler._slots
+
+
+def test_the_warm_up_draws_every_path_and_leaves_nothing_behind():
+    sampler = _sampler(max_rows=8)
+    logits = torch.randn(8, VOCAB, generator=torch.Generator().manual_seed(5))
+    seqs = [_seq(i, params) for i, params in enumerate(WARM_UP_PARAMS)]
+    before = _sample(sampler, seqs, logits[: len(seqs)])
+    for i in range(len(seqs)):
+        sampler.release(i)
+    sampler.warm_up(logits.clone())
+    assert not sampler._slots and len(sampler.penalties) == 0
+    # The same sequences draw the same tokens afterwards: no state of the warm-up's rows lingers.
+    assert _sample(sampler, seqs, logits[: len(seqs)]) == before
+    assert _sample(_sampler(max_rows=8), seqs, logits[: len(seqs)]) == before
