@@ -162,13 +162,17 @@ PROFILES = {
         warmup_concurrency=64,
         offline=OfflineLoad(n_requests=1000, warmup=32),
         sampling=("greedy", "sampled"),
+        # Sampled: the closed-loop levels and the offline case, no sweep. The sampler's cost shows in
+        # every level's tokens/s; capacity is the scheduler's figure, judged greedy, and the sweep is
+        # most of a trial's time (vLLM: ~3 of its ~5 minutes). The same in `short`.
+        sampled_sweep=False,
         prompt_modes=("text", "chat"),
         # The targets: the shared-prefix workload at 64 in flight, both caches on; 8 for latency.
         prefix_modes=("shared-prefix", "multi-turn", "cache-on"),
         prefix_concurrencies=(8, 64),
     ),
     # Capacity and the closed loop at 1 and 128 of both targets in one 10-minute command (--target both),
-    # for one sampling mode: both modes take two such commands (`-k greedy`, `-k sampled`).
+    # greedy; sampled (`-k sampled`) the closed loops and the offline case, in about half that.
     "short": Profile(
         name="short",
         sweep=SweepConfig(start_rate=1.0, max_levels=8, latency_multiple=2.0, max_level_s=20.0),
@@ -179,6 +183,7 @@ PROFILES = {
         warmup_concurrency=32,
         offline=OfflineLoad(n_requests=300, warmup=16),
         sampling=("greedy", "sampled"),
+        sampled_sweep=False,  # as in `full`
         prompt_modes=("text", "chat"),
         prefix_modes=("shared-prefix", "multi-turn", "cache-on"),
         prefix_concurrencies=(64,),

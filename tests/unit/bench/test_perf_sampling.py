@@ -140,7 +140,7 @@ def test_each_mode_sends_its_sampling_and_is_summarized_in_its_own_file(recordin
 
 def test_each_mode_runs_the_cases_its_profile_gives_it():
     # the CPU smoke: sampled only at 4 in flight and offline, no sweep (CI time), text prompts at 4 in
-    # flight; the GPU profiles run every case in both modes (test_profiles_choose_their_modes_and_the_sampled_cases)
+    # flight; the GPU profiles' cases: test_profiles_choose_their_modes_and_the_sampled_cases
     done = run_perf_tier(["--collect-only", "--profile", "smoke", "--model", "tiny"], timeout_s=60)
     assert done.returncode == 0, done.stdout[-2000:]
     assert [line.split("::")[1] for line in done.stdout.splitlines() if "::" in line] == [
@@ -280,7 +280,11 @@ def test_profiles_choose_their_modes_and_the_sampled_cases():
     assert PROFILES["smoke"].for_mode("greedy") == PROFILES["smoke"]
     for name in ("full", "short"):
         assert PROFILES[name].sampling == ("greedy", "sampled")
-        assert PROFILES[name].for_mode("sampled") == PROFILES[name]  # every case
+        # sampled at every closed-loop level and offline, no sweep
+        sampled = PROFILES[name].for_mode("sampled")
+        assert sampled.sweep is None and PROFILES[name].sweep is not None
+        assert sampled.concurrencies == PROFILES[name].concurrencies
+        assert sampled.offline == PROFILES[name].offline
     assert seed_mix("sampled") == WorkloadSpec(kind="seed-mix", seed=0, **SAMPLED)
     assert seed_mix("greedy", seed=1) == WorkloadSpec(kind="seed-mix", seed=1)
     base = PROFILES["smoke"]
