@@ -189,3 +189,21 @@ def test_cuda_graphs_on_and_off_draw_the_same_seeded_tokens(tiny_model_dir):
         gc.collect()
         torch.cuda.empty_cache()
     assert results[False] == results[True]
+
+
+def test_the_start_up_profile_run_warms_up_the_sampler_on_its_largest_logits(tiny_model_dir, monkeypatch):
+    """The runner's profile run (on CUDA it sizes the KV cache) hands the sampler its logits, one row
+    a sequence the largest step samples, so that the sampling kernels compile at start-up. An engine
+    of its own: the profile run unbinds the KV cache."""
+    engine = LLM(
+        str(tiny_model_dir),
+        device="cpu",
+        num_kv_blocks=16,
+        max_model_len=128,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+    ).engine
+    seen: list[tuple[int, ...]] = []
+    monkeypatch.setattr(engine.runner.sampler, "warm_up", lambda logits: seen.append(tuple(logits.shape)))
+    engine.runner.profile_run()
+    assert seen == [(8, engine.model_config.vocab_size)]
