@@ -59,15 +59,15 @@ class FilterMethod:
 
     sort: sort the rows (the reference). prefix: torch.topk of `prefix` candidates, which settles a row
     when its nucleus ends inside them (peaked distributions); the rows it cannot settle go to the
-    bisection kernel on CUDA (no host sync) or a sort on CPU. bisect: the bisection kernel for every
-    such row (a sort on CPU). Whatever the method, a step with at most `sort_rows` filtered rows sorts
+    search kernel (top_p_cutoffs) on CUDA (no host sync) or a sort on CPU. bisect: the search kernel
+    for every such row (a sort on CPU; named for the bisection the kernel once was). Whatever the method, a step with at most `sort_rows` filtered rows sorts
     them: a lone row sorts about as fast as topk finds its candidates, and a sort never falls back.
 
     On the H200 (bench_sampling, graph-replayed device time, cutoff and draw): top_p 0.9 over peaked
     logits (top 50 tokens ~95% of the mass) at 4 / 16 / 64 / 256 rows, prefix 1024 took 154 / 185 /
     336 / 950 us, the sort 385 / 580 / 1,373 / 4,583, bisect 645 / 670 / 722 / 1,767; over flat
     logits (randn: the nucleus is most of the vocabulary, every row falls back) prefix 769 / 814 / 982
-    / 2,500. One row: sort 134 us, prefix 143 (755 flat): hence sort_rows = 1. With the cutoff kernel
+    / 2,500. One row: sort 134 us, prefix 143 (755 flat): hence sort_rows = 1 then. With the cutoff kernel
     a 16-ary search (at most 9 passes over a row, not ~34), at 64 / 256 rows: bisect 538 / 1,483 us
     (either shape), prefix 1024 peaked 334 / 948, flat 799 / 2,225. With each pass of that search
     split over several programs a row (engine/kernels/sampling.py), bisect took 74 / 296 / 964 us at
