@@ -26,7 +26,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from multiprocessing.process import BaseProcess
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import msgspec
 import zmq
@@ -54,6 +54,21 @@ from engine.errors import InvalidRequestError
 logger = logging.getLogger(__name__)
 
 _ENCODER = msgspec.msgpack.Encoder()
+
+
+_Socket = TypeVar("_Socket", bound=zmq.Socket)
+
+
+def without_high_water_marks(socket: _Socket, linger_ms: int) -> _Socket:
+    """Both ends of the core's connection queue without bound: ZeroMQ's default high-water mark
+    (1,000 messages each way) makes a ROUTER silently drop messages to a peer whose queue is full, so
+    an API process that lagged ~2,000 steps behind (a GC pause, a starved CPU, a fast GPU) would lose
+    token deltas and leave requests waiting forever. The queue is bounded in practice by
+    `--max-pending` and the step rate; memory is the right failure, not a silent loss."""
+    socket.setsockopt(zmq.SNDHWM, 0)
+    socket.setsockopt(zmq.RCVHWM, 0)
+    socket.setsockopt(zmq.LINGER, linger_ms)
+    return socket
 
 
 class CoreStartupError(RuntimeError):
@@ -264,8 +279,7 @@ def run_engine_core(
         lifeline.send(("error", f"{type(error).__name__}: {error}"))
         raise SystemExit(2) from error
     context = zmq.Context()
-    socket = context.socket(zmq.ROUTER)
-    socket.setsockopt(zmq.LINGER, 0)
+    socket = without_high_water_marks(context.socket(zmq.ROUTER), linger_ms=0)
     socket.bind(address)
     core = EngineCore(engine, socket, lifeline.fileno())
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # serving: the API process decides when to stop

@@ -38,7 +38,7 @@ from engine.core_messages import (
     StepOutputs,
     over_the_limit,
 )
-from engine.core_process import CoreHandle
+from engine.core_process import CoreHandle, without_high_water_marks
 from engine.output_processor import OutputProcessor, ended_by_text
 
 logger = logging.getLogger(__name__)
@@ -198,8 +198,7 @@ class AsyncEngine:
         self.accepting = True
         self._core_lost = not self.core.is_alive()
         self._context = zmq.asyncio.Context()
-        self._socket = self._context.socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.LINGER, GOODBYE_LINGER_MS)
+        self._socket = without_high_water_marks(self._context.socket(zmq.DEALER), GOODBYE_LINGER_MS)
         self._socket.connect(self.core.address)
         self._send(Hello())
         self._publish(self.core.info.stats)  # the figures it started with, until its answer
