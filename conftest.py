@@ -1,4 +1,5 @@
-"""Shared pytest set-up: the `gpu` marker's skip, and synthetic model folders made once per session.
+"""Shared pytest set-up: one CPU thread per test worker, the `gpu` marker's skip, and synthetic model
+folders made once per session.
 
 Tests marked `gpu` skip cleanly where torch sees no CUDA device. Model folders are written by
 engine.synthetic into a session temp dir (a few seconds each), never downloaded.
@@ -6,9 +7,19 @@ engine.synthetic into a session temp dir (a few seconds each), never downloaded.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Under pytest-xdist every core already runs a worker, and each worker's servers add an API
+    # process and an engine core: torch's default of one OpenMP thread per core in each of them
+    # oversubscribes the machine, and OpenMP threads that spin-wait for a descheduled sibling made
+    # the CPU tests several times slower (the unit step took 720 s on 2 cores, 427 s with this) and
+    # stretched a 24-token answer past a 15 s deadline. Set before torch is imported; the servers
+    # and cores the tests start inherit it. An explicit OMP_NUM_THREADS wins.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
