@@ -17,8 +17,11 @@ step lint python3 -m ruff check .
 step format python3 -m ruff format --check .
 step types python3 -m mypy
 step "workflow lint" actionlint
-# Independent tests on every core; the speed-measuring ones never run beside other workers.
-step "unit tests" python3 -m pytest tests/unit -q -n auto -m "not perf and not serial" "$@"
+# Independent tests on every core; the speed-measuring ones never run beside other workers. A module's
+# tests share one worker (--dist loadfile): its module-scoped server starts once, and its closing
+# checks (the fuzz module's) see the cases its other tests sent. Not in pytest.ini: any --dist there
+# makes pytest-benchmark disable itself in every run, the perf tier's rounds included.
+step "unit tests" python3 -m pytest tests/unit -q -n auto --dist loadfile -m "not perf and not serial" "$@"
 serial_tests() {  # exit 5 (nothing collected) is fine when the arguments select no such test
   local status=0
   python3 -m pytest tests/unit -q -m serial -rP "$@" || status=$?

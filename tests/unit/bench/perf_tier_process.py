@@ -6,20 +6,23 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
 
 
 def run_perf_tier(
-    args: list[str], timeout_s: float, env: dict[str, str] | None = None
+    args: list[str], timeout_s: float, env: Mapping[str, str | None] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """The tier with ARGS, its output captured; env adds to this process's environment."""
+    """The tier with ARGS, its output captured; env adds to this process's environment (None: drops
+    the variable)."""
+    environment = {**os.environ, **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-m", "perf", "tests/perf", "-q", *args],
         capture_output=True,
         text=True,
         cwd=REPO,
         timeout=timeout_s,
-        env={**os.environ, **(env or {})},
+        env={name: value for name, value in environment.items() if value is not None},
     )

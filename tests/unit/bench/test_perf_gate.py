@@ -1,7 +1,7 @@
 """The perf tier as a gate, against bench's fake server (`--server-url`): no reference is a skip, or a
 failure under PERF_REQUIRE_REFERENCE=1 (perf.yml sets it); a stored reference is drawn in the report
 beside the run; --save-baseline refuses a run whose budgets failed; a stored engine reference from
-another machine is shown, not judged."""
+another machine is shown, not judged; each trial is one pytest-benchmark round (nothing turns it off)."""
 
 from __future__ import annotations
 
@@ -127,3 +127,39 @@ def test_a_skipped_offline_case_writes_no_model(fake_url, tmp_path):
     # greedy and sampled, each skipped
     assert "2 skipped" in run.stdout and "holds the GPU" in run.stdout, run.stdout[-2000:]
     assert not (out / "models").exists()
+
+
+# What pytest-xdist leaves in its workers' environment: a tier started from a test worker inherits it.
+XDIST_VARIABLES = ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID")
+
+
+def test_each_trial_is_a_round_of_pytest_benchmark(fake_url, tmp_path):
+    # pytest-benchmark turns itself off (one call, whatever the rounds; no figures in its JSON) when it
+    # sees pytest-xdist at work: a --dist among pytest.ini's options, or a worker's environment. The
+    # tier as `pytest -m perf` runs it must keep it on, or --trials 3 would measure one trial.
+    other = dict(describe_machine(), hostname="another-host")
+    path = fast_reference(tmp_path / "reference.json", other)
+    out, benchmarks = tmp_path / "out", tmp_path / "benchmark.json"
+    arguments = [
+        "-rs",
+        "--server-url",
+        fake_url,
+        "--profile",
+        "smoke",
+        "--trials",
+        "2",
+        "--model",
+        "gate-test-model",
+    ]
+    run = run_perf_tier(
+        [*arguments, "--perf-out", str(out), "--baseline", str(path), "--benchmark-json", str(benchmarks)]
+        + ["-k", "closed_loop and greedy-1"],
+        timeout_s=120,
+        env=dict.fromkeys(XDIST_VARIABLES),
+    )
+    assert run.returncode == 0, run.stdout[-2000:]
+    assert "automatically disabled" not in run.stdout + run.stderr, (run.stdout + run.stderr)[-2000:]
+    (level,) = json.loads((out / "engine-seed-mix.json").read_text())["closed_loop"]
+    assert level["trials"] == 2, level
+    (case,) = json.loads(benchmarks.read_text())["benchmarks"]
+    assert case["stats"]["rounds"] == 2 and case["extra_info"]["case"] == "closed_loop", case["extra_info"]
