@@ -16,8 +16,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # Under pytest-xdist every core already runs a worker, and each worker's servers add an API
     # process and an engine core: torch's default of one OpenMP thread per core in each of them
     # oversubscribes the machine, and OpenMP threads that spin-wait for a descheduled sibling made
-    # the CPU tests several times slower (the unit step took 720 s on 2 cores, 427 s with this) and
-    # stretched a 24-token answer past a 15 s deadline. Set before torch is imported; the servers
+    # the CPU tests much slower (the unit step took 720 s on 2 cores, 427-541 s with this) and
+    # stretched a 22-token answer past a 15 s deadline. Set before torch is imported; the servers
     # and cores the tests start inherit it. An explicit OMP_NUM_THREADS wins.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -19,10 +20,20 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 def perf_tier(
-    url: str, out: Path, *args: str, env: dict[str, str] | None = None
+    url: str, out: Path, *args: str, env: Mapping[str, str | None] | None = None, trials: int = 1
 ) -> subprocess.CompletedProcess[str]:
     """The smoke profile's greedy closed loop at 1 in flight against the server at `url`."""
-    arguments = ["-rs", "--server-url", url, "--profile", "smoke", "--trials", "1", "--perf-out", str(out)]
+    arguments = [
+        "-rs",
+        "--server-url",
+        url,
+        "--profile",
+        "smoke",
+        "--trials",
+        str(trials),
+        "--perf-out",
+        str(out),
+    ]
     return run_perf_tier([*arguments, "-k", "closed_loop and greedy-1", *args], timeout_s=120, env=env)
 
 
@@ -140,22 +151,17 @@ def test_each_trial_is_a_round_of_pytest_benchmark(fake_url, tmp_path):
     other = dict(describe_machine(), hostname="another-host")
     path = fast_reference(tmp_path / "reference.json", other)
     out, benchmarks = tmp_path / "out", tmp_path / "benchmark.json"
-    arguments = [
-        "-rs",
-        "--server-url",
+    run = perf_tier(
         fake_url,
-        "--profile",
-        "smoke",
-        "--trials",
-        "2",
+        out,
+        "--baseline",
+        str(path),
         "--model",
         "gate-test-model",
-    ]
-    run = run_perf_tier(
-        [*arguments, "--perf-out", str(out), "--baseline", str(path), "--benchmark-json", str(benchmarks)]
-        + ["-k", "closed_loop and greedy-1"],
-        timeout_s=120,
+        "--benchmark-json",
+        str(benchmarks),
         env=dict.fromkeys(XDIST_VARIABLES),
+        trials=2,
     )
     assert run.returncode == 0, run.stdout[-2000:]
     assert "automatically disabled" not in run.stdout + run.stderr, (run.stdout + run.stderr)[-2000:]

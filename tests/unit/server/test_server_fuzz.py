@@ -21,6 +21,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,18 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     process.close()
 
 
+@contextmanager
+def hang_explained(server: ServerProcess) -> Iterator[None]:
+    """A request that outlives REQUEST_DEADLINE_S fails with the end of the server's log: a hang,
+    with what the server was doing."""
+    try:
+        yield
+    except httpx.TimeoutException as error:
+        raise AssertionError(
+            f"no answer within {REQUEST_DEADLINE_S} s; the server's log ends:\n{server.log_text()[-4000:]}"
+        ) from error
+
+
 def check_answer(label: str, status: int, content_type: str, body: bytes, elapsed_s: float) -> None:
     """The invariant of every answer (see the module docstring)."""
     CASES[f"{label} {status}"] += 1
@@ -103,11 +116,11 @@ def test_schemathesis_over_the_openapi_document(server: ServerProcess) -> None:
             label = f"{operation.method.upper()} {operation.path}"
             if not len(operation.body) and not list(operation.iter_parameters()):
                 # no body and no parameters (GET /v1/models, POST /reset_prefix_cache): nothing negative to generate
-                fuzz_operation(client, operation.as_strategy(), label, 5, server.url)
+                fuzz_operation(client, operation.as_strategy(), label, 5, server)
                 continue
             for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
                 strategy = operation.as_strategy(generation_mode=mode)
-                fuzz_operation(client, strategy, label, SCHEMA_EXAMPLES, server.url)
+                fuzz_operation(client, strategy, label, SCHEMA_EXAMPLES, server)
 
 
 def send_case(client: httpx.Client, case: schemathesis.Case, url: str) -> httpx.Response:
@@ -132,13 +145,14 @@ def send_case(client: httpx.Client, case: schemathesis.Case, url: str) -> httpx.
 
 
 def fuzz_operation(
-    client: httpx.Client, cases: st.SearchStrategy[Any], label: str, examples: int, url: str
+    client: httpx.Client, cases: st.SearchStrategy[Any], label: str, examples: int, server: ServerProcess
 ) -> None:
     @settings(FUZZ_SETTINGS, max_examples=examples)
     @given(case=cases)
     def run(case: schemathesis.Case) -> None:
         start = time.monotonic()
-        response = send_case(client, case, url)
+        with hang_explained(server):
+            response = send_case(client, case, server.url)
         elapsed = time.monotonic() - start
         content_type = response.headers.get("content-type", "")
         check_answer(label, response.status_code, content_type, response.content, elapsed)
@@ -171,7 +185,8 @@ def test_a_long_stream_of_a_schema_case_is_read_whole(server: ServerProcess, pat
     case = schema[path]["POST"].Case(body=body, media_type="application/json")
     with httpx.Client(timeout=REQUEST_DEADLINE_S) as client:
         start = time.monotonic()
-        response = send_case(client, case, server.url)
+        with hang_explained(server):
+            response = send_case(client, case, server.url)
         elapsed = time.monotonic() - start
     content_type = response.headers.get("content-type", "")
     assert content_type.startswith("text/event-stream"), (response.status_code, response.text[:500])
@@ -315,12 +330,8 @@ def test_hypothesis_bodies(server: ServerProcess, path: str) -> None:
         def run(body: Any) -> None:
             content = json.dumps(body).encode()  # NaN and Infinity as Python writes them
             start = time.monotonic()
-            try:
+            with hang_explained(server):
                 response = client.post(path, content=content, headers={"content-type": "application/json"})
-            except httpx.TimeoutException as error:  # a hang: say what the server was doing
-                raise AssertionError(
-                    f"no answer within {REQUEST_DEADLINE_S} s; the server's log ends:\n{server.log_text()[-4000:]}"
-                ) from error
             check_answer(
                 f"POST {path} (bodies)",
                 response.status_code,
