@@ -158,9 +158,10 @@ def test_shared_prefixes_hit_the_cache_and_a_fresh_level_starts_empty(cached_tin
     # The seed-mix shares nothing: from an empty cache its random prompts hit (nearly) never.
     mix = run_fresh_level(endpoint, WorkloadSpec(kind="fixed", input_len=64, output_len=4), 1, load, level=1)
     assert mix.summary["prefix_cache_hit_rate"] < 0.1 < first.summary["prefix_cache_hit_rate"]
-    # The reset was honoured (no "not reset" warning); a client's event-loop lag note on a loaded
-    # 2-core machine is about timestamps, not about the cache.
-    assert not [w for w in mix.warnings if "event-loop lag" not in w], mix.warnings
+    # The reset was honoured. The client's timing notes (event-loop lag, send lag) on a loaded 2-core
+    # machine are about timestamps, not about the cache: only the reset's own warning counts here.
+    assert mix.summary["prefix_cache_reset"] is True
+    assert not [w for w in mix.warnings if "not reset" in w], mix.warnings
 
 
 def test_a_multi_turn_replay_hits_its_earlier_turns(cached_tiny_server):
