@@ -29,7 +29,7 @@ from bench.compare import DEFAULT_MAX_DROP, EXIT_BAD_INPUT, compare_results, par
 from bench.fidelity import DEFAULT_TOLERANCE_PCT, Run, describe, summarize_runs
 from bench.host_cost import add_arguments as add_host_cost_arguments
 from bench.host_cost import run as run_host_cost
-from bench.launch import MAX_MODEL_LEN, ServerProcess, ServerSpec
+from bench.launch import MAX_MODEL_LEN, ServerProcess, ServerSpec, stop_servers_on_sigterm
 from bench.metrics import parse_slo
 from bench.offline import (
     OfflineConfig,
@@ -695,4 +695,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    stop_servers_on_sigterm()  # the servers a command starts stop with it (`bench serve`'s outlive it once up)
     sys.exit(main())

@@ -48,6 +48,7 @@ from bench.launch import (
     ServerSpec,
     load_server_info,
     redact_args,
+    stop_servers_on_sigterm,
     vllm_unavailable_reason,
 )
 from bench.machine import describe_machine, same_machine
@@ -164,6 +165,12 @@ def settings(config: pytest.Config) -> PerfSettings:
     )
     config._perf_settings = result  # type: ignore[attr-defined]
     return result
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A run ended by SIGTERM (a CI step's time limit, `timeout(1)`) stops the servers it started, as
+    Ctrl-C does: they run in sessions of their own and would otherwise hold the GPU after it."""
+    stop_servers_on_sigterm()
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
