@@ -89,17 +89,37 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _state_and_parent(pid: int | str) -> tuple[str, int] | None:
+    """A process's state letter and parent pid (Linux /proc), or None once it is gone."""
+    try:
+        state, parent = (PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+    except (OSError, ValueError):
+        return None
+    return state, int(parent)
+
+
+def pid_alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie, exited but not yet reaped, counts as gone)."""
+    known = _state_and_parent(pid)
+    return known is not None and known[0] != "Z"
+
+
+def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    """The pids still running after `timeout_s` seconds (returns as soon as none is)."""
+    deadline = time.monotonic() + timeout_s
+    while any(map(pid_alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [pid for pid in pids if pid_alive(pid)]
+
+
 def child_pids(pid: int) -> list[int]:
     """The live child processes of `pid` (Linux /proc; an exited, unreaped child does not count)."""
     children = []
     for entry in PROC.iterdir():
         if not entry.name.isdigit():
             continue
-        try:
-            state, parent = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
-        except (OSError, ValueError):
-            continue  # gone meanwhile
-        if int(parent) == pid and state != "Z":
+        known = _state_and_parent(entry.name)
+        if known is not None and known[1] == pid and known[0] != "Z":
             children.append(int(entry.name))
     return children
 

@@ -283,9 +283,8 @@ class ServerProcess:
                     self.ready_after_s = time.monotonic() - started
                     return self
                 time.sleep(0.5)
-        except (
-            KeyboardInterrupt
-        ):  # Ctrl-C, or SIGTERM (stop_servers_on_sigterm), while it starts: no one holds it yet
+        except KeyboardInterrupt:
+            # Ctrl-C, or SIGTERM (stop_servers_on_sigterm), while it starts: no one holds it yet
             self.stop()
             raise
         self.stop()

@@ -12,6 +12,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[3]
 
 
+def perf_tier_command(args: list[str]) -> list[str]:
+    """`pytest -m perf tests/perf -q ARGS` with this interpreter, to run from the repository root."""
+    return [sys.executable, "-m", "pytest", "-m", "perf", "tests/perf", "-q", *args]
+
+
 def run_perf_tier(
     args: list[str], timeout_s: float, env: Mapping[str, str | None] | None = None
 ) -> subprocess.CompletedProcess[str]:
@@ -19,7 +24,7 @@ def run_perf_tier(
     the variable)."""
     environment = {**os.environ, **(env or {})}
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-m", "perf", "tests/perf", "-q", *args],
+        perf_tier_command(args),
         capture_output=True,
         text=True,
         cwd=REPO,

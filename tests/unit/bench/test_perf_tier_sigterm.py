@@ -12,13 +12,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-from perf_tier_process import REPO
+from perf_tier_process import REPO, perf_tier_command
 
-from bench.host_cost import child_pids
+from bench.host_cost import child_pids, wait_gone
 
 SERVER_UP_WITHIN_S = 180.0  # the tiny model's server and its engine core on a busy 2-core machine
 TIER_EXITS_WITHIN_S = 60.0
@@ -44,41 +43,12 @@ def _wait_for_server_and_core(tier: subprocess.Popen[bytes]) -> list[int]:
     raise AssertionError(f"no server with an engine core under the tier (exit status {tier.poll()})")
 
 
-def _alive(pids: list[int], within_s: float) -> list[int]:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in pids):
-        time.sleep(0.1)
-    return [pid for pid in pids if Path(f"/proc/{pid}").exists() and not _zombie(pid)]
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return False
-
-
 def test_sigterm_stops_the_server_the_tier_started(tiny_model_dir: Path, tmp_path: Path) -> None:
     tier = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-m",
-            "perf",
-            "tests/perf",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "--profile",
-            "smoke",
-            "--model",
-            str(tiny_model_dir),
-            "-k",
-            "closed_loop and greedy-1",
-            "--perf-out",
-            str(tmp_path),
-        ],
+        perf_tier_command(
+            ["-p", "no:cacheprovider", "--profile", "smoke", "--model", str(tiny_model_dir)]
+            + ["-k", "closed_loop and greedy-1", "--perf-out", str(tmp_path)]
+        ),
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -88,10 +58,10 @@ def test_sigterm_stops_the_server_the_tier_started(tiny_model_dir: Path, tmp_pat
         started = _wait_for_server_and_core(tier)
         tier.send_signal(signal.SIGTERM)
         assert tier.wait(TIER_EXITS_WITHIN_S) != 0  # interrupted, not passed
-        assert _alive(started, GONE_WITHIN_S) == [], f"left running: {started}"
+        assert wait_gone(started, GONE_WITHIN_S) == [], f"left running: {started}"
     finally:
         if tier.poll() is None:
             tier.kill()
             tier.wait()
-        for pid in _alive(started, 0.0):
+        for pid in wait_gone(started, 0.0):
             os.kill(pid, signal.SIGKILL)

@@ -42,15 +42,6 @@ async def app_client(core: CoreProcess, **app_options: Any) -> AsyncIterator[htt
             yield client
 
 
-def pid_alive(pid: int) -> bool:
-    """True while `pid` runs (a zombie, exited but not yet reaped, counts as gone)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def _rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):

@@ -17,8 +17,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_testing import ServerProcess, parse_metrics, pid_alive
+from server_testing import ServerProcess, parse_metrics
 from test_server_process import CORE_GONE_WITHIN_S, EXITED_WITHIN_S, FAILED_WITHIN_S, stream_lines
+
+from bench.host_cost import wait_gone
 
 TWO = ("--api-server-count", "2")
 LONG = {"prompt": [1, 2, 3], "max_tokens": 200, "ignore_eos": True, "stream": True}
@@ -26,14 +28,6 @@ LONG = {"prompt": [1, 2, 3], "max_tokens": 200, "ignore_eos": True, "stream": Tr
 
 def socket_count(pid: int) -> int:
     return sum(1 for fd in Path(f"/proc/{pid}/fd").iterdir() if os.readlink(fd).startswith("socket:"))
-
-
-def wait_gone(pids: list[int], timeout: float) -> list[int]:
-    """The pids still running after `timeout` seconds (as soon as none is)."""
-    deadline = time.monotonic() + timeout
-    while any(pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return [pid for pid in pids if pid_alive(pid)]
 
 
 def test_both_api_processes_accept_on_the_port(start_server: Callable[..., ServerProcess]) -> None:

@@ -15,7 +15,8 @@ import time
 from collections.abc import Iterator
 
 import httpx
-from server_testing import pid_alive
+
+from bench.host_cost import pid_alive
 
 
 def stream_lines(client: httpx.Client, body: dict) -> tuple[httpx.Response, Iterator[str]]:
