@@ -196,8 +196,10 @@ def summarize_worker(
 
     A mode's entry: its `mode` (and `concurrency`), bench.metrics.summarize of its rows (the HTTP
     levels' keys), `steps` it took, `step_ms` (mean wall time of one step, measured around the
-    target's step()), and for the engine its phases `step_<phase>_ms` (engine.step_timing). The
-    `probes` entry holds bench.metrics.probe_figures."""
+    target's step()), for the engine its phases `step_<phase>_ms` (engine.step_timing), and where the
+    target's cache looked any up, its tokens looked up and found in that mode alone
+    (`prefix_cache_queries`, `_hits`, `_hit_rate`: the HTTP levels' names). The `probes` entry holds
+    bench.metrics.probe_figures."""
     section: dict[str, dict[str, Any]] = {}
     all_rows: list[RequestRow] = []
 
@@ -208,6 +210,8 @@ def summarize_worker(
 
     for mode in result.get("modes", []):
         rows = rows_of(mode)
+        cache = mode.get("prefix_cache") or {}  # none looked up (the cache off): no such keys
+        cache = cache if cache.get("queries") else {}
         section[offline_key(mode["mode"], mode["concurrency"])] = {
             "mode": mode["mode"],
             "concurrency": mode["concurrency"],
@@ -215,6 +219,7 @@ def summarize_worker(
             "steps": mode["steps"],
             "step_ms": mode["step_ms"],
             **mode["step_timing"],
+            **{f"prefix_cache_{key}": value for key, value in cache.items() if value is not None},
         }
     probes = result.get("probes") or {}
     if probes:
@@ -270,10 +275,12 @@ def describe_entry(key: str, entry: Mapping[str, Any]) -> str:
     )
     steps = f"{entry['steps']} steps of " if "steps" in entry else "step "
     step = f"{steps}{_number(entry.get('step_ms'))} ms" + (f" ({phases})" if phases else "")
+    hit_rate = entry.get("prefix_cache_hit_rate")
+    hits = "" if _missing(hit_rate) else f"; prefix cache hit rate {hit_rate:.3f}"
     return (
         f"{key}: {count}{_number(entry.get('served_req_s'))} req/s, "
         f"{_number(entry.get('output_tok_s'))} output tok/s, TTFT p50 {ms(entry.get('ttft_p50_s'))}, "
-        f"TPOT p50 {ms(entry.get('tpot_p50_s'))}; {step}; failures {entry.get('failures', 0):g}"
+        f"TPOT p50 {ms(entry.get('tpot_p50_s'))}; {step}{hits}; failures {entry.get('failures', 0):g}"
     )
 
 

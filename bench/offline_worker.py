@@ -39,6 +39,12 @@ class Target(Protocol):
 
     def step_timing(self) -> dict[str, float]: ...
 
+    def prefix_cache_counters(self) -> tuple[int, int] | None:
+        """(prompt tokens looked up, tokens found) in the prefix cache since start, as the target's
+        own counters define them (both count a request's tokens when it is first scheduled, as
+        vLLM's `prefix_cache_queries` / `prefix_cache_hits`); None when the target keeps none."""
+        ...
+
     def describe(self) -> dict[str, Any]: ...
 
 
@@ -94,21 +100,19 @@ class EngineTarget:
             f"step_{key}": value for key, value in summary.items() if key.endswith("_ms") and key != "step_ms"
         }
 
+    def prefix_cache_counters(self) -> tuple[int, int] | None:
+        stats = self.engine.stats()
+        return stats.prefix_cache_queries, stats.prefix_cache_hits
+
     def describe(self) -> dict[str, Any]:
         """Name, version, every option in force, and (read at the end of the run) the prefix cache's
         tokens looked up and found since start, warm-up included, and their ratio."""
-        described: dict[str, Any] = {
+        return {
             "name": "paged-engine",
             "version": self.version,
             "config": self.engine.config_dict(),
+            "prefix_cache": prefix_cache_entry(self.prefix_cache_counters()),
         }
-        stats = self.engine.stats()
-        described["prefix_cache"] = {
-            "queries": stats.prefix_cache_queries,
-            "hits": stats.prefix_cache_hits,
-            "hit_rate": stats.prefix_cache_hit_rate,
-        }
-        return described
 
 
 class VllmTarget:
@@ -172,8 +176,38 @@ class VllmTarget:
     def step_timing(self) -> dict[str, float]:
         return {}  # vLLM has no per-phase timer we could read: only the worker's own step_ms
 
+    def prefix_cache_counters(self) -> tuple[int, int] | None:
+        """vLLM's `vllm:prefix_cache_queries` and `_hits` counters (the ones its server exports on
+        /metrics), read from its in-process Prometheus registry; None where its stats are off."""
+        try:
+            metrics = self.engine.get_metrics()
+        except Exception:  # noqa: BLE001 - stat logging disabled (an assert), or an older vLLM
+            return None
+        totals = {"vllm:prefix_cache_queries": 0, "vllm:prefix_cache_hits": 0}
+        seen = False
+        for metric in metrics:
+            if metric.name in totals:
+                totals[metric.name] += int(metric.value)
+                seen = True
+        return (totals["vllm:prefix_cache_queries"], totals["vllm:prefix_cache_hits"]) if seen else None
+
     def describe(self) -> dict[str, Any]:
-        return {"name": "vllm", "version": self.version, "config": self.options}
+        return {
+            "name": "vllm",
+            "version": self.version,
+            "config": self.options,
+            "prefix_cache": prefix_cache_entry(self.prefix_cache_counters()),
+        }
+
+
+def prefix_cache_entry(
+    counters: tuple[int, int] | None, before: tuple[int, int] = (0, 0)
+) -> dict[str, Any] | None:
+    """{queries, hits, hit_rate} of the counters' growth since `before`; None without counters."""
+    if counters is None:
+        return None
+    queries, hits = counters[0] - before[0], counters[1] - before[1]
+    return {"queries": queries, "hits": hits, "hit_rate": hits / queries if queries else None}
 
 
 TARGETS: dict[str, Callable[[str, str, int, int, dict[str, Any]], Target]] = {
@@ -192,6 +226,7 @@ class ModeResult:
     steps: int = 0
     step_ms: float = 0.0
     step_timing: dict[str, float] = dataclasses.field(default_factory=dict)
+    prefix_cache: dict[str, Any] | None = None  # prefix_cache_entry of this mode alone
 
     def as_json(self, **extra: Any) -> dict[str, Any]:
         return {
@@ -200,6 +235,7 @@ class ModeResult:
             "steps": self.steps,
             "step_ms": self.step_ms,
             "step_timing": self.step_timing,
+            "prefix_cache": self.prefix_cache,
         }
 
 
@@ -219,6 +255,7 @@ class Driver:
         self.rows: dict[str, RequestRow] = {}
         self.last_token_s: dict[str, float] = {}
         self.zero = time.perf_counter()
+        self.counters = target.prefix_cache_counters()  # before any of the mode's requests is added
 
     def now(self) -> float:
         return time.perf_counter() - self.zero
@@ -277,6 +314,9 @@ class Driver:
             steps,
             1e3 * step_s / steps if steps else 0.0,
             self.target.step_timing(),
+            None
+            if self.counters is None
+            else prefix_cache_entry(self.target.prefix_cache_counters(), self.counters),
         )
 
 

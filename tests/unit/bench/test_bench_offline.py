@@ -70,8 +70,27 @@ class PretendTarget:
     def step_timing(self) -> dict[str, float]:
         return {"step_prepare_ms": 0.5, "step_execute_ms": 2.0}
 
+    def prefix_cache_counters(self) -> tuple[int, int] | None:
+        return None
+
     def describe(self) -> dict[str, object]:
         return {"name": "pretend", "version": "0", "config": {}}
+
+
+class CountingTarget(PretendTarget):
+    """Counts every added prompt's tokens as looked up in a prefix cache and half of them as found."""
+
+    def __init__(self, *options: object) -> None:
+        super().__init__(*options)
+        self.queries = self.hits = 0
+
+    def add(self, request_id: str, request: Request) -> None:
+        super().add(request_id, request)
+        self.queries += request.prompt_len
+        self.hits += request.prompt_len // 2
+
+    def prefix_cache_counters(self) -> tuple[int, int] | None:
+        return self.queries, self.hits
 
 
 def test_all_at_once_timestamps_every_token_at_the_end_of_its_step():
@@ -111,6 +130,61 @@ def test_both_offline_targets_sample_as_the_workload_says(target_class):
     target.aliases = {}
     target.add("r0", Request(0, [1, 2, 3], 3, max_tokens=7, temperature=1.0, top_p=0.95))
     assert made == [{"max_tokens": 7, "temperature": 1.0, "top_p": 0.95, "ignore_eos": True}]
+
+
+def test_each_mode_counts_the_prefix_cache_lookups_made_in_it_alone(monkeypatch):
+    """The counters run since the target's start (warm-up included); a mode's entry holds only what
+    grew while it ran, under the HTTP levels' key names, so two targets' modes compare one to one."""
+    monkeypatch.setitem(offline_worker.TARGETS, "engine", CountingTarget)
+    config = OfflineConfig(
+        "engine",
+        "unused",
+        workload=WorkloadSpec(kind="fixed", input_len=8, output_len=2),
+        load=OfflineLoad(
+            n_requests=3, concurrencies=(), warmup=2, probes=Probes(single_tokens=0, prefill_prompts=0)
+        ),
+    )
+    result = offline_worker.run(json.loads(json.dumps(config.as_json())), lambda line: None)
+    (mode,) = result["modes"]  # the 2 warm-up requests counted too, but not in this mode's entry
+    assert mode["prefix_cache"] == {"queries": 3 * 8, "hits": 3 * 4, "hit_rate": 0.5}
+    section, _ = summarize_worker(result, "engine")
+    entry = section["all"]
+    assert (entry["prefix_cache_queries"], entry["prefix_cache_hits"], entry["prefix_cache_hit_rate"]) == (
+        24,
+        12,
+        0.5,
+    )
+    assert "prefix cache hit rate 0.500" in describe_entry("all", entry)
+    # a target without counters: no such keys, and the line says nothing of a cache
+    monkeypatch.setitem(offline_worker.TARGETS, "engine", PretendTarget)
+    section, _ = summarize_worker(offline_worker.run(config.as_json(), lambda line: None), "engine")
+    assert not any(key.startswith("prefix_cache") for key in section["all"])
+    assert "prefix cache" not in describe_entry("all", section["all"])
+
+
+def test_the_vllm_target_reads_its_prefix_cache_counters_from_its_metrics():
+    """vLLM's in-process metrics (`LLMEngine.get_metrics`: Counter objects named as on its /metrics,
+    one per engine label set); None where its stats are off (vLLM asserts) or name no such counter."""
+    counter = type(
+        "Counter", (), {"__init__": lambda self, name, value: vars(self).update(name=name, value=value)}
+    )
+    target = offline_worker.VllmTarget.__new__(offline_worker.VllmTarget)
+    metrics = [
+        counter("vllm:prefix_cache_queries", 300),
+        counter("vllm:prefix_cache_hits", 120),
+        counter("vllm:prefix_cache_queries", 100),  # a second engine's labels
+        counter("vllm:prompt_tokens", 999),
+    ]
+    target.engine = type("Engine", (), {"get_metrics": lambda self: metrics})()
+    assert target.prefix_cache_counters() == (400, 120)
+    metrics[:] = [counter("vllm:prompt_tokens", 999)]
+    assert target.prefix_cache_counters() is None
+
+    def stats_off(self):
+        raise AssertionError("Stat logging disabled")
+
+    target.engine = type("Engine", (), {"get_metrics": stats_off})()
+    assert target.prefix_cache_counters() is None
 
 
 def test_a_request_that_stops_short_is_a_failure():

@@ -288,6 +288,11 @@ def test_bench_offline_sends_a_shared_prefix_workload_to_the_engine_with_its_cac
     sent, left = divmod(cache["queries"], 80)
     assert left == 0 and sent >= run["offline"]["closed-1"]["completed"] >= 3
     assert (sent - 2) * 64 <= cache["hits"] <= sent * 64  # each prefix computed once, then found
+    # the closed loop's own entry holds the same counts (no warm-up ran), as the HTTP levels name them
+    entry = run["offline"]["closed-1"]
+    assert (entry["prefix_cache_queries"], entry["prefix_cache_hits"]) == (cache["queries"], cache["hits"])
+    assert entry["prefix_cache_hit_rate"] == pytest.approx(cache["hits"] / cache["queries"])
+    assert f"prefix cache hit rate {entry['prefix_cache_hit_rate']:.3f}" in done.stdout
 
 
 def test_a_chat_replay_extends_the_conversation_a_turn_at_a_time(tiny_model_dir):
