@@ -173,6 +173,24 @@ def pytest_configure(config: pytest.Config) -> None:
     stop_servers_on_sigterm()
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    """After every case, passed or failed: the summaries written (a failed case's figures and notes
+    kept, so a run cut short later still says why it failed). A case interrupted inside its rounds
+    (Ctrl-C, SIGTERM) has its benchmark marked as failed: pytest-benchmark would otherwise report
+    a benchmark with no rounds at the session's end and crash there (min() of an empty list), losing
+    the run's terminal summary."""
+    outcome = yield
+    excinfo = outcome.excinfo
+    if excinfo is not None and issubclass(excinfo[0], KeyboardInterrupt):
+        fixture = getattr(item, "funcargs", {}).get("benchmark")
+        if fixture is not None:
+            fixture.has_error = True
+    recorder: Recorder | None = getattr(item.config, "_perf_recorder", None)
+    if recorder is not None:
+        recorder.write(final=False)
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """Each case in each mode the profile runs it in (ids `[sampled-4-engine]`, so `-k sampled` selects
     a mode): the closed loop at each of the mode's concurrencies, the sweep only in modes with one (a
@@ -356,16 +374,21 @@ class TargetRecord:
         return bool(self.sweep_trials or self.closed_trials or self.offline_trials)
 
     def summary(self, trials: int) -> dict[str, Any]:
+        """The folded trials, and the notes the terminal shows (failed requests, the hit rates, the
+        client's lag), so a summary read alone says what the run saw."""
         closed = [
             [levels[i] for levels in self.closed_trials.values() if i < len(levels)] for i in range(trials)
         ]
-        return summarize_trials(
+        summary = summarize_trials(
             header=self.header,
             sweep_trials=self.sweep_trials,
             closed_trials=closed,
             trials=trials,
             offline_trials=self.offline_trials,
         )
+        if self.notes:
+            summary["notes"] = list(dict.fromkeys(self.notes))
+        return summary
 
 
 @dataclass

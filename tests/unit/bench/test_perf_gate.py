@@ -169,3 +169,58 @@ def test_each_trial_is_a_round_of_pytest_benchmark(fake_url, tmp_path):
     assert level["trials"] == 2, level
     (case,) = json.loads(benchmarks.read_text())["benchmarks"]
     assert case["stats"]["rounds"] == 2 and case["extra_info"]["case"] == "closed_loop", case["extra_info"]
+
+
+def test_a_failed_case_leaves_its_figures_and_why_in_the_summary(tmp_path):
+    """A case whose requests fail is written like any other, its failed requests described in the
+    summary's notes: a run cut short afterwards still says why that case failed (the summaries were
+    written only by cases that passed their request checks)."""
+    out = tmp_path / "out"
+    with FakeServerProcess(FakeServerConfig(ttft_s=0.005, itl_s=0.0005, fail_every=2)) as fake:
+        run = perf_tier(fake.base_url, out, "--model", "no-such-model")
+    assert run.returncode == 1 and "1 failed" in run.stdout, run.stdout[-2000:]
+    summary = json.loads((out / "engine-seed-mix.json").read_text())
+    (level,) = summary["closed_loop"]
+    assert level["concurrency"] == 1 and level["failures"] >= 2, level
+    assert any(note.startswith("failed requests, concurrency 1:") for note in summary["notes"]), summary
+
+
+def test_sigterm_inside_a_case_still_ends_with_the_terminal_summary(tmp_path):
+    """SIGTERM (a step's time limit) while a case's rounds run: the run ends interrupted, and the
+    figures of the cases done are written and shown. pytest-benchmark, left with a benchmark of no
+    rounds, crashed at the session's end (`min() iterable argument is empty`) before the tier's
+    terminal summary; the tier marks such a benchmark as failed."""
+    import signal
+    import time
+
+    from perf_tier_process import REPO, perf_tier_command
+
+    out = tmp_path / "out"
+    arguments = ["-rs", "--profile", "smoke", "--trials", "1", "--perf-out", str(out)]
+    arguments += ["--model", "no-such-model", "--benchmark-json", str(tmp_path / "benchmark.json")]
+    # each request 0.5 s: the first case (6 requests at 1 in flight) ~3 s, the second (at 4) ~1 s
+    with FakeServerProcess(FakeServerConfig(ttft_s=0.5, itl_s=0.0005)) as fake:
+        tier = subprocess.Popen(
+            perf_tier_command([*arguments, "--server-url", fake.base_url, "-k", "closed_loop and greedy"]),
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        try:
+            summary = out / "engine-seed-mix.json"
+            deadline = time.monotonic() + 90
+            while not summary.exists() and tier.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert summary.exists(), "the first case wrote no summary"
+            tier.send_signal(signal.SIGTERM)  # the second case's rounds have begun
+            output, _ = tier.communicate(timeout=60)
+        finally:
+            if tier.poll() is None:
+                tier.kill()
+                tier.wait()
+    assert tier.returncode != 0, output[-2000:]
+    assert "Traceback" not in output and "min() iterable argument is empty" not in output, output[-3000:]
+    assert "perf: figures and budgets" in output and "concurrency 1:" in output, output[-2000:]
+    levels = json.loads(summary.read_text())["closed_loop"]
+    assert [level["concurrency"] for level in levels] == [1], levels
