@@ -23,6 +23,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not any("gpu" in item.keywords for item in items):
+        return  # torch not imported for nothing (~1.5 s: the perf tier's runs collect no gpu test)
     try:
         import torch
 
@@ -134,7 +136,14 @@ def pytest_benchmark_update_machine_info(config: pytest.Config, machine_info: di
 
 
 def engine_version() -> str:
-    """This checkout's engine version, whether or not it is pip-installed."""
-    import engine
+    """This checkout's engine version, whether or not it is pip-installed: the installed package's
+    (scripts/install.sh installs it editable) without importing the engine, whose torch and
+    transformers cost ~3 s a run; else the package's own."""
+    from importlib.metadata import PackageNotFoundError, version
 
-    return engine.__version__
+    try:
+        return version("paged-engine")
+    except PackageNotFoundError:
+        import engine
+
+        return engine.__version__
