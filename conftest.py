@@ -130,20 +130,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_benchmark_update_machine_info(config: pytest.Config, machine_info: dict) -> None:
     """pytest-benchmark records no GPU, driver or library versions: add them."""
-    from bench.machine import describe_machine
+    from bench.machine import checkout_engine_version, describe_machine
 
-    machine_info["perf"] = describe_machine(engine_version())
-
-
-def engine_version() -> str:
-    """This checkout's engine version, whether or not it is pip-installed: the installed package's
-    (scripts/install.sh installs it editable) without importing the engine, whose torch and
-    transformers cost ~3 s a run; else the package's own."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("paged-engine")
-    except PackageNotFoundError:
-        import engine
-
-        return engine.__version__
+    machine_info["perf"] = describe_machine(checkout_engine_version())

@@ -66,8 +66,22 @@ def boot_id() -> str | None:
         return None
 
 
+def checkout_engine_version() -> str:
+    """This checkout's engine version, whether or not it is pip-installed: the installed package's
+    metadata (scripts/install.sh installs it editable), read without importing the engine, whose
+    torch and transformers cost ~3 s a process; else the package's own, imported (a checkout run from
+    its folder, as on the GPU machine). For the test tiers, which describe the engine they measure."""
+    installed = _version("paged-engine")
+    if installed is not None:
+        return installed
+    import engine
+
+    return engine.__version__
+
+
 def describe_machine(engine_version: str | None = None) -> dict[str, Any]:
-    """engine_version: the caller's, when the engine is not an installed package (bench never imports it)."""
+    """engine_version: the caller's (checkout_engine_version), when the engine is not an installed
+    package (bench's measurements never import it)."""
     gpu = _nvidia_smi("name")
     return {
         "gpu": gpu,

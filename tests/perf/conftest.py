@@ -51,7 +51,7 @@ from bench.launch import (
     stop_servers_on_sigterm,
     vllm_unavailable_reason,
 )
-from bench.machine import describe_machine, same_machine
+from bench.machine import checkout_engine_version, describe_machine, same_machine
 from bench.offline import describe_entry
 from bench.probe import first_model, probe
 from bench.profiles import PROFILES, Profile, seed_mix
@@ -118,11 +118,7 @@ def settings(config: pytest.Config) -> PerfSettings:
     cached = getattr(config, "_perf_settings", None)
     if cached is not None:
         return cached
-    machine = describe_machine()  # the engine's version as installed (scripts/install.sh: editable)
-    if machine["engine"] is None:  # run from a checkout that is not installed (the device's PYTHONPATH)
-        import engine  # torch and transformers with it: ~3 s a run that the installed case saves
-
-        machine["engine"] = engine.__version__
+    machine = describe_machine(checkout_engine_version())
     gpu = machine["gpu"] is not None
     target = config.getoption("--target")
     server_url = config.getoption("--server-url")

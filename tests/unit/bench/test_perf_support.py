@@ -24,7 +24,7 @@ from bench.budgets import (
     tally,
 )
 from bench.launch import ServerProcess, ServerSpec, engine_args, free_port, vllm_args
-from bench.machine import describe_machine, gpu_slug, same_machine
+from bench.machine import checkout_engine_version, describe_machine, gpu_slug, same_machine
 from bench.results import load_result
 from bench.trials import merge_summaries, summarize_trials
 
@@ -36,6 +36,23 @@ def test_gpu_slug():
     assert gpu_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
     assert gpu_slug("  A100-SXM4 (40GB) ") == "a100-sxm4-40gb"
     assert gpu_slug(None) == "cpu"
+
+
+def test_the_checkout_engine_version_is_read_installed_or_not(monkeypatch):
+    """Installed (scripts/install.sh): from the package's metadata, without importing the engine;
+    run from a checkout that is not installed: the engine package's own."""
+    import subprocess
+    import sys
+
+    import engine
+    from bench import machine
+
+    assert checkout_engine_version() == engine.__version__
+    monkeypatch.setattr(machine, "_version", lambda package: None)
+    assert checkout_engine_version() == engine.__version__
+    script = "import sys; from bench.machine import checkout_engine_version as v; v(); print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False", "reading the installed version imported torch"
 
 
 def test_same_machine_needs_every_field_equal():
