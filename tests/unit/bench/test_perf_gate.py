@@ -198,8 +198,9 @@ def test_sigterm_inside_a_case_still_ends_with_the_terminal_summary(tmp_path):
     out = tmp_path / "out"
     arguments = ["-rs", "--profile", "smoke", "--trials", "1", "--perf-out", str(out)]
     arguments += ["--model", "no-such-model", "--benchmark-json", str(tmp_path / "benchmark.json")]
-    # each request 0.5 s: the first case (6 requests at 1 in flight) ~3 s, the second (at 4) ~1 s
-    with FakeServerProcess(FakeServerConfig(ttft_s=0.5, itl_s=0.0005)) as fake:
+    # each request 1 s: the first case (6 requests at 1 in flight) ~6 s, the second (at 4) ~2 s, the
+    # window in which the signal lands (the summary is polled every 50 ms)
+    with FakeServerProcess(FakeServerConfig(ttft_s=1.0, itl_s=0.0005)) as fake:
         tier = subprocess.Popen(
             perf_tier_command([*arguments, "--server-url", fake.base_url, "-k", "closed_loop and greedy"]),
             cwd=REPO,
