@@ -64,6 +64,7 @@ SHOWN_METRICS = (
     "e2e_p50_s",
     "e2e_p99_s",
     "failures",
+    "prefix_cache_hit_rate",  # where both sides' levels have one (the prefix-cache modes)
 )
 # The offline section (`bench offline`): these, then the engine's step phases (`step_<phase>_ms`).
 OFFLINE_SHOWN_METRICS = (
@@ -77,6 +78,7 @@ OFFLINE_SHOWN_METRICS = (
     "single_ttft_s",
     "single_tpot_s",
     "prefill_tok_s",
+    "prefix_cache_hit_rate",  # where both sides' caches looked prompts up (bench offline's counters)
 )
 # meta["machine"] fields that make two measurements come from different machines, in the order the
 # note names them.

@@ -295,7 +295,14 @@ def probe_figures(single: Sequence[RequestRow], prefill: Sequence[RequestRow]) -
 
 
 HIGHER_IS_BETTER = frozenset(
-    {"served_req_s", "output_tok_s", "goodput_req_s", "capacity_req_s", "prefill_tok_s"}
+    {
+        "served_req_s",
+        "output_tok_s",
+        "goodput_req_s",
+        "capacity_req_s",
+        "prefill_tok_s",
+        "prefix_cache_hit_rate",
+    }
 )
 LOWER_IS_BETTER = frozenset(
     {f"{name}_{stat}_s" for name in LATENCY_METRICS for stat in STAT_NAMES}

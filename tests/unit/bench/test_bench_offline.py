@@ -369,6 +369,19 @@ def test_compare_matches_offline_entries_and_names_the_phase(tmp_path):
     assert load_result(new).offline["closed-8"]["output_tok_s"] == 1.0
 
 
+def test_compare_shows_the_prefix_cache_hit_rates_side_by_side_without_judging_them(tmp_path):
+    """Two targets' hit rates on identical requests, row by row (higher is better); no default limit:
+    a cache is judged by the tokens/s it buys, its hit rate is shown beside them."""
+    cached = {**entry(100.0, 10.0, 1.0), "prefix_cache_queries": 1000, "prefix_cache_hits": 900}
+    base = run_json(tmp_path / "base", {"all": {**cached, "prefix_cache_hit_rate": 0.9}}, "vllm")
+    new = run_json(tmp_path / "new", {"all": {**cached, "prefix_cache_hit_rate": 0.6}}, "engine")
+    comparison = compare_results(base, new)
+    (row,) = [row for row in comparison.rows if row.metric == "prefix_cache_hit_rate"]
+    assert (row.level, row.base, row.new, row.direction) == ("offline all", 0.9, 0.6, "higher")
+    assert row.limit_pct is None and not row.regressed
+    assert not any(row.metric in ("prefix_cache_queries", "prefix_cache_hits") for row in comparison.rows)
+
+
 def test_describe_entry_reads_a_run_or_a_folded_entry():
     line = describe_entry("all", {**entry(100.0, 10.0, 1.0), "n_requests": 4, "completed": 4, "steps": 3})
     assert line.startswith("all: 4 of 4 requests") and "3 steps of 10.00 ms (prepare 1.00)" in line
