@@ -472,7 +472,6 @@ class Recorder:
         saying why, when there is nothing to hold to (no reference in this mode, no budget section for
         it, or a reference without the `section` these figures need)."""
         record = self.records[target, mode]
-        self.write(final=False)
         if target == "vllm":
             return  # vLLM is the reference: measured and recorded, nothing to hold it to
         reference = self.reference_for(target, mode)
@@ -538,7 +537,8 @@ class Recorder:
         its budgets or cases failed (PERF_FORCE_SAVE=1 stores it anyway); the report shows each stored
         reference a target was held to beside the run.
 
-        Called after every case too (final=False), so a run cut short still leaves its figures."""
+        Called after every case too, passed or failed (final=False, by pytest_runtest_call), so a run
+        cut short still leaves its figures."""
         written = []
         for record in self.records.values():
             if not record.measured:

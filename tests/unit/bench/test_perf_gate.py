@@ -6,12 +6,14 @@ another machine is shown, not judged; each trial is one pytest-benchmark round (
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
-from perf_tier_process import run_perf_tier
+from perf_tier_process import perf_tier_command, run_perf_tier
 
 from bench.fake_server import FakeServerConfig, FakeServerProcess
 from bench.machine import describe_machine
@@ -190,11 +192,6 @@ def test_sigterm_inside_a_case_still_ends_with_the_terminal_summary(tmp_path):
     figures of the cases done are written and shown. pytest-benchmark, left with a benchmark of no
     rounds, crashed at the session's end (`min() iterable argument is empty`) before the tier's
     terminal summary; the tier marks such a benchmark as failed."""
-    import signal
-    import time
-
-    from perf_tier_process import REPO, perf_tier_command
-
     out = tmp_path / "out"
     arguments = ["-rs", "--profile", "smoke", "--trials", "1", "--perf-out", str(out)]
     arguments += ["--model", "no-such-model", "--benchmark-json", str(tmp_path / "benchmark.json")]
