@@ -97,7 +97,9 @@ def test_sigterm_drains_both_and_exits_0(
             with httpx.Client(base_url=server.url, timeout=30) as other:
                 try:
                     refused = other.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
-                except httpx.ConnectError:  # one process has drained and closed already
+                except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
+                    # The idle process drains at once and closes its listening socket: a connection the
+                    # kernel had queued on that socket is refused or reset, never answered wrongly.
                     continue
                 assert refused.status_code == 503
         rest = list(lines)
