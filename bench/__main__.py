@@ -3,7 +3,7 @@
 `run` turns flags into a bench.suite.RunConfig and calls run_benchmark; `offline` drives a target's
 step-level engine in a child process (bench.offline.run_offline); `report` calls
 bench.report.write_report; `compare` calls bench.compare.compare_results and exits 1 on a regression;
-`merge` folds single-trial perf summaries run separately (bench.trials.merge_summaries); `serve`
+`merge` folds perf summaries run separately, pooling their trials (bench.trials.merge_summaries); `serve`
 starts a target's server as the perf tier would and leaves it running (bench.launch); `ab` measures
 two commits on this machine, interleaved, and compares them (bench.ab); `fidelity-summary` folds
 alternating runs of bench and `vllm bench serve` into one JSON (bench.fidelity, scripts/fidelity.sh).
@@ -278,13 +278,15 @@ def build_parser() -> argparse.ArgumentParser:
     ab.add_argument("--max-drop", default=default_drop, help=f"as for compare (default {shown_drop})")
     ab.add_argument("--format", choices=["text", "markdown"], default="text")
 
-    merge = commands.add_parser("merge", help="fold single-trial perf summaries of one target into one")
-    merge.add_argument("summaries", nargs="+", help="summary JSON files, one trial each")
+    merge = commands.add_parser(
+        "merge", help="fold perf summaries of one target into one, every trial of each"
+    )
+    merge.add_argument("summaries", nargs="+", help="summary JSON files, of one or more trials each")
     merge.add_argument(
         "--sweep-from",
         nargs="+",
         default=None,
-        help="take the open-loop sweep from these single-trial summaries (sweeps re-run on their own); "
+        help="take the open-loop sweep from these summaries (sweeps re-run on their own, or an earlier lease's); "
         "the closed loops then come from the positional ones only",
     )
     merge.add_argument("--out", required=True)

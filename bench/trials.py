@@ -154,11 +154,33 @@ def spread(values: Sequence[float | None], key: str) -> dict[str, Any]:
     }
 
 
+def trial_values(entry: Mapping[str, Any], key: str) -> list[Any]:
+    """A figure's value in each trial an entry holds: one trial's figure as it is; a folded entry's
+    (`trials` > 1) from its `key_trials` list, so that folding folded entries again pools their trials
+    instead of taking a median of medians. A folded figure without its list (a summary stored before
+    the lists were) cannot be pooled: ValueError."""
+    listed = entry.get(f"{key}_trials")
+    if listed is not None:
+        return list(listed)
+    value = entry.get(key)
+    if not _number(value) or entry.get("trials", 1) == 1:
+        return [value]
+    raise ValueError(
+        f"{key} folds {entry['trials']} trials without each trial's value ({key}_trials): re-run them, "
+        "or merge the single-trial summaries they were folded from"
+    )
+
+
+def _trial_count(entry: Mapping[str, Any]) -> int:
+    return int(entry.get("trials", 1))
+
+
 def fold_levels(
     trials: Sequence[Iterable[Mapping[str, Any]]], level_key: str, keys: Sequence[str]
 ) -> list[dict[str, Any]]:
     """Levels of several trials matched by `level_key` (rate or concurrency); a level some trials lack
-    (sweep rates found by bisection can differ) is folded over the trials that have it."""
+    (sweep rates found by bisection can differ) is folded over the trials that have it. A level that
+    is itself folded (`trials` > 1, from a summary) brings each of its trials (trial_values)."""
     by_level: dict[float, list[Mapping[str, Any]]] = {}
     for levels in trials:
         for level in levels:
@@ -166,9 +188,9 @@ def fold_levels(
     folded = []
     for value in sorted(by_level):
         levels = by_level[value]
-        entry: dict[str, Any] = {level_key: value, "trials": len(levels)}
+        entry: dict[str, Any] = {level_key: value, "trials": sum(_trial_count(level) for level in levels)}
         for key in keys:
-            entry.update(spread([level.get(key) for level in levels], key))
+            entry.update(spread([v for level in levels for v in trial_values(level, key)], key))
         folded.append(entry)
     return folded
 
@@ -189,7 +211,7 @@ def fold_offline(trials: Sequence[Mapping[str, Mapping[str, Any]]]) -> dict[str,
         entry: dict[str, Any] = {"mode": first.get("mode", key)}
         if "concurrency" in first:
             entry["concurrency"] = first["concurrency"]
-        entry["trials"] = len(entries)
+        entry["trials"] = sum(_trial_count(e) for e in entries)
         names = [name for name in OFFLINE_KEYS if any(_number(e.get(name)) for e in entries)]
         names += list(
             dict.fromkeys(
@@ -200,7 +222,7 @@ def fold_offline(trials: Sequence[Mapping[str, Mapping[str, Any]]]) -> dict[str,
             )
         )
         for name in names:
-            entry.update(spread([e.get(name) for e in entries], name))
+            entry.update(spread([v for e in entries for v in trial_values(e, name)], name))
         folded[key] = entry
     return folded
 
@@ -225,7 +247,8 @@ def summarize_trials(
     summary: dict[str, Any] = dict(header)
     summary["trials"] = trials
     if sweep_trials:
-        summary.update(spread([t["capacity_req_s"] for t in sweep_trials], "capacity_req_s"))
+        capacities = [v for t in sweep_trials for v in trial_values(t, "capacity_req_s")]
+        summary.update(spread(capacities, "capacity_req_s"))
         summary["capacity_still_rising"] = any(t["capacity_still_rising"] for t in sweep_trials)
     else:
         summary["capacity_req_s"] = None
@@ -240,25 +263,27 @@ def summarize_trials(
 def merge_summaries(
     summaries: Sequence[Mapping[str, Any]], sweep_from: Sequence[Mapping[str, Any]] | None = None
 ) -> dict[str, Any]:
-    """Fold single-trial summaries of one target, measured in separate runs, into one summary.
+    """Fold perf summaries of one target, measured in separate runs (or leases), into one summary
+    over every trial they hold.
 
     A full-profile trial can take most of a time-limited command, so trials may be run one per
-    command and merged afterwards: each input's figures are one trial's values. Inputs must agree on
-    target, model, GPU, workload and sampling mode (a greedy and a sampled trial are two workloads),
-    and each must hold exactly one trial.
+    command, or a few per lease, and merged afterwards. Each figure pools the trials' own values
+    (trial_values: a summary of three trials brings three values, not its median), so one run of
+    three trials and another of two merge into five. Inputs must agree on target, model, GPU,
+    workload and sampling mode (a greedy and a sampled trial are two workloads). The result says
+    what it came from: `merged_from` (each input's date) and `merged_trials` (each one's trials).
 
     sweep_from: take the open-loop sweep (and capacity) from these runs instead, and only the closed
-    loops from `summaries`: for sweeps re-run on their own (`pytest -m perf -k sweep`). The result
-    says so in `sweep_from` (their dates) and `sweep_trials`.
+    loops from `summaries`: for sweeps re-run on their own (`pytest -m perf -k sweep`), or kept from
+    an earlier lease while the closed loops are measured anew. The result says so in `sweep_from`
+    (their dates) and `sweep_trials`.
     """
     if not summaries:
         raise ValueError("nothing to merge")
     first = summaries[0]
     for summary in [*summaries, *(sweep_from or [])]:
-        if summary.get("trials") != 1:
-            raise ValueError(
-                f"only single-trial summaries can be merged; one holds {summary.get('trials')} trials"
-            )
+        if not isinstance(summary.get("trials"), int) or summary["trials"] < 1:
+            raise ValueError(f"a summary without its number of trials: {summary.get('trials')!r}")
         for key in ("target", "model", "gpu", "workload"):
             if summary.get(key) != first.get(key):
                 raise ValueError(f"summaries differ in {key}: {first.get(key)!r} vs {summary.get(key)!r}")
@@ -269,7 +294,9 @@ def merge_summaries(
     sweeps = summaries if sweep_from is None else sweep_from
     sweep_trials = [
         {
+            "trials": s["trials"],
             "capacity_req_s": s["capacity_req_s"],
+            **({"capacity_req_s_trials": s["capacity_req_s_trials"]} if "capacity_req_s_trials" in s else {}),
             "capacity_still_rising": s["capacity_still_rising"],
             "levels": s["open_loop"],
         }
@@ -282,15 +309,16 @@ def merge_summaries(
         if k not in ("open_loop", "closed_loop", "offline", "trials") and not k.startswith("capacity_")
     }
     header["merged_from"] = [s.get("date") for s in summaries]
+    header["merged_trials"] = [s["trials"] for s in summaries]
     if sweep_from is not None:
         header["sweep_from"] = [s.get("date") for s in sweep_from]
-        header["sweep_trials"] = len(sweep_trials)
+        header["sweep_trials"] = sum(t["trials"] for t in sweep_trials)
     closed = [list(s.get("closed_loop") or []) for s in summaries]
     offline = [s["offline"] for s in summaries if s.get("offline")]
     return summarize_trials(
         header=header,
         sweep_trials=sweep_trials,
         closed_trials=closed,
-        trials=len(summaries),
+        trials=sum(s["trials"] for s in summaries),
         offline_trials=offline,
     )

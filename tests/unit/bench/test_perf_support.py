@@ -374,12 +374,65 @@ def test_single_trial_summaries_merge_into_median_min_max(tmp_path):
     assert load_result(out).capacity_req_s == 50.0
 
 
-def test_merge_refuses_mixed_or_multi_trial_inputs():
-    with pytest.raises(ValueError, match="single-trial"):
-        merge_summaries([dict(_one_trial(1.0, 1.0, "d"), trials=3)])
+def _trials(capacities: list[float], tok_s: list[float], date: str, offline: list[float] = ()) -> dict:
+    """A summary of len(tok_s) trials, folded as the perf tier folds them."""
+    return summarize_trials(
+        header={"target": "vllm", "model": "m", "gpu": "NVIDIA H200", "workload": "seed-mix", "date": date},
+        sweep_trials=[
+            {
+                "capacity_req_s": c,
+                "capacity_still_rising": False,
+                "levels": [{"rate": 4.0, "served_req_s": c}],
+            }
+            for c in capacities
+        ],
+        closed_trials=[[{"concurrency": 32, "output_tok_s": t, "failures": 0}] for t in tok_s],
+        trials=len(tok_s),
+        offline_trials=[{"all": {"mode": "all", "output_tok_s": o}} for o in offline],
+    )
+
+
+def test_summaries_of_several_trials_merge_by_pooling_every_trial():
+    # Two leases: three trials, then two. The median of the five, not of the two medians (which would
+    # be 105.0 here: the medians 100 and 110).
+    three = _trials([50.0, 51.0, 52.0], [100.0, 90.0, 101.0], "lease-1", offline=[7.0, 8.0, 9.0])
+    two = _trials([60.0, 61.0], [110.0, 120.0], "lease-2", offline=[10.0, 11.0])
+    merged = merge_summaries([three, two])
+    assert merged["trials"] == 5
+    assert merged["merged_from"] == ["lease-1", "lease-2"] and merged["merged_trials"] == [3, 2]
+    level = merged["closed_loop"][0]
+    assert level["trials"] == 5 and level["output_tok_s_trials"] == [100.0, 90.0, 101.0, 110.0, 120.0]
+    assert (level["output_tok_s"], level["output_tok_s_min"], level["output_tok_s_max"]) == (
+        101.0,
+        90.0,
+        120.0,
+    )
+    assert (merged["capacity_req_s"], merged["capacity_req_s_min"], merged["capacity_req_s_max"]) == (
+        52.0,
+        50.0,
+        61.0,
+    )
+    assert merged["open_loop"][0]["trials"] == 5 and merged["open_loop"][0]["served_req_s"] == 52.0
+    assert merged["offline"]["all"]["trials"] == 5 and merged["offline"]["all"]["output_tok_s"] == 9.0
+    # Merging single-trial summaries gives what folding the trials at once gives.
+    singles = [
+        _trials([c], [t], f"d{i}") for i, (c, t) in enumerate([(50.0, 450.0), (52.0, 460.0), (49.0, 455.0)])
+    ]
+    at_once = _trials([50.0, 52.0, 49.0], [450.0, 460.0, 455.0], "d0")
+    for key in ("closed_loop", "open_loop"):  # as JSON: the figures no trial had are NaN on both sides
+        assert json.dumps(merge_summaries(singles)[key]) == json.dumps(at_once[key])
+
+
+def test_merge_refuses_mixed_inputs_and_figures_it_cannot_pool():
     other = dict(_one_trial(1.0, 1.0, "d"), target="engine")
     with pytest.raises(ValueError, match="target"):
         merge_summaries([_one_trial(1.0, 1.0, "d"), other])
+    # A summary of three trials stored without each trial's value: its median cannot be pooled.
+    old = _trials([50.0, 51.0, 52.0], [100.0, 90.0, 101.0], "old")
+    for level in old["closed_loop"]:
+        del level["output_tok_s_trials"]
+    with pytest.raises(ValueError, match="output_tok_s folds 3 trials without each trial's value"):
+        merge_summaries([old])
 
 
 def test_merge_takes_the_sweep_from_runs_of_their_own(tmp_path):
@@ -393,6 +446,11 @@ def test_merge_takes_the_sweep_from_runs_of_their_own(tmp_path):
     assert merged["sweep_from"] == ["s1", "s2"] and merged["sweep_trials"] == 2
     with pytest.raises(ValueError, match="target"):
         merge_summaries(closed, sweep_from=[dict(sweeps[0], target="engine")])
+    # Closed loops measured anew (three trials in one run), the sweep kept from an earlier lease.
+    anew = _trials([], [100.0, 90.0, 101.0], "new")
+    kept = merge_summaries([anew], sweep_from=[_one_trial(91.0, 0.0, "old")])
+    assert kept["trials"] == 3 and kept["closed_loop"][0]["output_tok_s"] == 100.0
+    assert kept["capacity_req_s"] == 91.0 and kept["sweep_from"] == ["old"] and kept["sweep_trials"] == 1
     paths = {}
     for name, part in [("c1", closed[0]), ("c2", closed[1]), ("s1", sweeps[0]), ("s2", sweeps[1])]:
         paths[name] = tmp_path / f"{name}.json"
