@@ -3,8 +3,9 @@
 bench.workload calls `text_prompt` when a workload sends text (`prompt_format="text"`): the request's
 random token ids are decoded, the text re-encoded, and the ids cut or topped up until the text encodes
 to the target length, as `vllm bench serve`'s random dataset does. Decoding is not the inverse of
-encoding (byte pieces merge, a lone byte becomes U+FFFD), so a few prompts miss by a token or two;
-`TextPrompt.tokens` says by how much, and the runner checks the server's `usage.prompt_tokens`.
+encoding (byte pieces merge, a lone byte becomes U+FFFD), so a few prompts may come out a token or
+two short (never long: a prompt must fit the context its request was sized for); `TextPrompt.tokens`
+says by how much, and the runner checks the server's `usage.prompt_tokens`.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ def text_prompt(
 ) -> TextPrompt:
     """Text that encodes to `target` tokens (add_special_tokens=False, as our server encodes a text
     prompt), from `token_ids`: decode, re-encode; cut the ids when too long, top them up with ids drawn
-    from `rng` in `token_range` (special tokens excluded) when too short; at most MAX_ROUNDS rounds.
-    Deterministic for the same inputs and rng state."""
+    from `rng` in `token_range` (special tokens excluded) when too short; at most MAX_ROUNDS rounds,
+    then cut until it is no longer than `target`. Deterministic for the same inputs and rng state."""
     if target < 1:
         raise ValueError(f"target must be >= 1 token, got {target}")
     specials = set(getattr(tokenizer, "all_special_ids", ()) or ())
@@ -59,8 +60,17 @@ def text_prompt(
         else:
             extra = rng.integers(low, high, size=target - len(ids)).tolist()
             ids += [t for t in extra if t not in specials]
+    # Not settled: a prompt may come out shorter than asked, never longer. A request's prompt and
+    # max_tokens are sized to fit the server's context (the seed-mix's longest fills it exactly), so
+    # one token too many would turn it into a 400. Each round drops as many ids as there are tokens
+    # too many.
     text = tokenizer.decode(ids)
-    return TextPrompt(text, len(tokenizer.encode(text, add_special_tokens=False)))
+    count = len(tokenizer.encode(text, add_special_tokens=False))
+    while count > target and len(ids) > 1:
+        ids = ids[: max(1, len(ids) - (count - target))]
+        text = tokenizer.decode(ids)
+        count = len(tokenizer.encode(text, add_special_tokens=False))
+    return TextPrompt(text, count)
 
 
 @lru_cache(maxsize=4)

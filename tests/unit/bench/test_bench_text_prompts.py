@@ -42,6 +42,29 @@ def test_too_few_ids_are_topped_up_and_too_many_cut(tiny_model_dir):
     assert text_prompt(tokenizer, list(range(2000, 2100)), 7, rng, (1000, 30000)).tokens == 7
 
 
+class GrowingTokenizer:
+    """A tokenizer whose text never settles: encoding the decoded ids gives them back with one token
+    more (as a byte piece that merges differently once decoded might), so no round of text_prompt
+    lands on the target."""
+
+    all_special_ids: list[int] = []
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(str(i) for i in ids) + " 7"
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [int(word) for word in text.split()]
+
+
+@pytest.mark.parametrize("start", [3, 40, 400])
+def test_a_prompt_that_never_settles_is_cut_to_the_target_never_longer(start):
+    tokenizer = GrowingTokenizer()
+    rng = np.random.default_rng(0)
+    made = text_prompt(tokenizer, list(range(1000, 1000 + start)), 40, rng, (1000, 30000))
+    assert len(tokenizer.encode(made.text)) == made.tokens
+    assert made.tokens == 40  # one id fewer than the target, and its text encodes to the target
+
+
 def test_seed_mix_text_is_fixed_by_the_seed_and_keeps_the_token_id_shape(tiny_model_dir):
     tokenizer = load_tokenizer(str(tiny_model_dir))
     ids = [make_request(WorkloadSpec(seed=3), i) for i in range(12)]
