@@ -212,8 +212,8 @@ def prompt_tokens_tolerance(prompt_len: int) -> int:
     """How far the server's count of a prompt may stray from the workload's before it is reported as
     outside tolerance: 2 tokens or 1 %, whichever is more. A text prompt is made to encode to its length
     with the model's tokenizer (bench.prompts), but decoding is not the inverse of encoding: after its
-    rounds a prompt can still miss by a token or two, and a server that adds a BOS token to text counts
-    one more."""
+    rounds a prompt can still come out a token or two short (never long), and a server that adds a BOS
+    token to text counts one more."""
     return max(2, math.ceil(0.01 * prompt_len))
 
 
