@@ -163,7 +163,7 @@ def trial_values(entry: Mapping[str, Any], key: str) -> list[Any]:
     if listed is not None:
         return list(listed)
     value = entry.get(key)
-    if not _number(value) or entry.get("trials", 1) == 1:
+    if not _number(value) or _trial_count(entry) == 1:
         return [value]
     raise ValueError(
         f"{key} folds {entry['trials']} trials without each trial's value ({key}_trials): re-run them, "

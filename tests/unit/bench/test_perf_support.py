@@ -333,19 +333,26 @@ def test_server_process_reports_an_early_exit(tmp_path, monkeypatch):
         ServerProcess(ServerSpec("engine", "m", free_port()), tmp_path / "log").start(timeout_s=30)
 
 
-def _one_trial(capacity: float, tok_s: float, date: str) -> dict:
+def _trials(capacities: list[float], tok_s: list[float], date: str, offline: list[float] = ()) -> dict:
+    """A summary of len(tok_s) trials, folded as the perf tier folds them."""
     return summarize_trials(
         header={"target": "vllm", "model": "m", "gpu": "NVIDIA H200", "workload": "seed-mix", "date": date},
         sweep_trials=[
             {
-                "capacity_req_s": capacity,
+                "capacity_req_s": c,
                 "capacity_still_rising": False,
-                "levels": [{"rate": 4.0, "served_req_s": 3.9, "failures": 0}],
+                "levels": [{"rate": 4.0, "served_req_s": c}],
             }
+            for c in capacities
         ],
-        closed_trials=[[{"concurrency": 1, "output_tok_s": tok_s, "failures": 0}]],
-        trials=1,
+        closed_trials=[[{"concurrency": 32, "output_tok_s": t, "failures": 0}] for t in tok_s],
+        trials=len(tok_s),
+        offline_trials=[{"all": {"mode": "all", "output_tok_s": o}} for o in offline],
     )
+
+
+def _one_trial(capacity: float, tok_s: float, date: str) -> dict:
+    return _trials([capacity], [tok_s], date)
 
 
 def test_single_trial_summaries_merge_into_median_min_max(tmp_path):
@@ -372,24 +379,6 @@ def test_single_trial_summaries_merge_into_median_min_max(tmp_path):
     out = tmp_path / "merged.json"
     assert bench_main(["merge", *map(str, paths), "--out", str(out)]) == 0
     assert load_result(out).capacity_req_s == 50.0
-
-
-def _trials(capacities: list[float], tok_s: list[float], date: str, offline: list[float] = ()) -> dict:
-    """A summary of len(tok_s) trials, folded as the perf tier folds them."""
-    return summarize_trials(
-        header={"target": "vllm", "model": "m", "gpu": "NVIDIA H200", "workload": "seed-mix", "date": date},
-        sweep_trials=[
-            {
-                "capacity_req_s": c,
-                "capacity_still_rising": False,
-                "levels": [{"rate": 4.0, "served_req_s": c}],
-            }
-            for c in capacities
-        ],
-        closed_trials=[[{"concurrency": 32, "output_tok_s": t, "failures": 0}] for t in tok_s],
-        trials=len(tok_s),
-        offline_trials=[{"all": {"mode": "all", "output_tok_s": o}} for o in offline],
-    )
 
 
 def test_summaries_of_several_trials_merge_by_pooling_every_trial():
