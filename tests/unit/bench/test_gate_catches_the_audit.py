@@ -26,12 +26,15 @@ def stored(target: str) -> dict:
 
 
 def scaled(summary: dict, section: str, key: str, value: float, metric: str, factor: float) -> dict:
-    """A copy with one level's figure (and its min/max) multiplied by `factor`."""
+    """A copy with one level's figure (its median, min, max and each trial's value) multiplied by
+    `factor`: every trial of the regressed run is slower, as a real regression's would be."""
     out = copy.deepcopy(summary)
     for level in out[section]:
         if level[key] == value:
             for name in (metric, f"{metric}_min", f"{metric}_max"):
                 level[name] *= factor
+            if f"{metric}_trials" in level:
+                level[f"{metric}_trials"] = [v * factor for v in level[f"{metric}_trials"]]
     return out
 
 
