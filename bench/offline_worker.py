@@ -116,8 +116,15 @@ class EngineTarget:
 
 
 class VllmTarget:
-    """vLLM's offline `LLMEngine`, configured as the perf tier starts its server: same dtype and
-    context, prefix caching off, seed 0, everything else at vLLM's defaults; token-id prompts."""
+    """vLLM's offline `LLMEngine`, made as its offline API `vllm.LLM` makes it (usage context
+    LLM_CLASS): same dtype and context as the engine, prefix caching off, seed 0, everything else at
+    the defaults a `vllm.LLM` user gets; token-id prompts.
+
+    Why the usage context matters: vLLM picks its step limits from it. `vllm.LLM` on an H200 gets
+    16,384 tokens a step and 1,024 sequences; `LLMEngine.from_engine_args` left at its default
+    context falls back to the scheduler's own 2,048 and 128, which no vLLM user runs offline. Its
+    stats stay on (a `vllm.LLM` turns them off), for the prefix cache counters; `describe` records
+    the limits in force."""
 
     def __init__(
         self, model_dir: str, dtype: str, max_model_len: int, seed: int, options: dict[str, Any]
@@ -143,7 +150,9 @@ class VllmTarget:
             engine_args = vllm.EngineArgs(**self.options)
         except TypeError as exc:  # an option vLLM's EngineArgs does not have
             raise WorkerError(f"vLLM refused the options {options}: {exc}") from exc
-        self.engine = vllm.LLMEngine.from_engine_args(engine_args)
+        from vllm.usage.usage_lib import UsageContext
+
+        self.engine = vllm.LLMEngine.from_engine_args(engine_args, usage_context=UsageContext.LLM_CLASS)
         self.seen: dict[str, int] = {}  # request id -> tokens reported so far (vLLM's are cumulative)
         self.aliases: dict[str, str] = {}  # an id vLLM assigned -> ours
 
@@ -191,11 +200,16 @@ class VllmTarget:
                 seen = True
         return (totals["vllm:prefix_cache_queries"], totals["vllm:prefix_cache_hits"]) if seen else None
 
+    def limits_in_force(self) -> dict[str, Any]:
+        """The step limits vLLM chose (its scheduler config), which the options passed do not show."""
+        scheduler = getattr(getattr(self.engine, "vllm_config", None), "scheduler_config", None)
+        return {name: getattr(scheduler, name, None) for name in ("max_num_batched_tokens", "max_num_seqs")}
+
     def describe(self) -> dict[str, Any]:
         return {
             "name": "vllm",
             "version": self.version,
-            "config": self.options,
+            "config": {**self.options, **self.limits_in_force()},
             "prefix_cache": prefix_cache_entry(self.prefix_cache_counters()),
         }
 

@@ -109,31 +109,29 @@ def test_perf_workflow_cannot_go_green_having_checked_nothing():
     assert sum(step["timeout-minutes"] for step in limited) + 5 <= workflow["jobs"]["perf"]["timeout-minutes"]
 
 
-# (lease, how far the engine slides back): the budgets sit 15% past the least favourable lease
-# (2026-12-01b, where vLLM ran fastest), so from the leases where the engine stands further ahead
-# (1.76x prefill on 2026-11-30, 1.82x all at once on 2026-12-01) a deeper slide is what crosses them;
-# a small one is the engine-vs-itself gate's job (bench ab).
+# (lease, how far the engine slides back): the one-sequence budget sits 15% past the least favourable
+# lease; a small slide is the engine-vs-itself gate's job (bench ab). All at once and the prefill probe
+# set no budget: vLLM's offline engine in these leases ran capped at 2,048 tokens and 128 sequences a
+# step (made without a usage context), so those checks are skipped by name until re-measured.
 @pytest.mark.parametrize(
     "lease,slide",
     [
-        ("offline-2026-11-30", 0.55),
-        ("offline-2026-11-30-final", 0.65),
-        ("offline-2026-12-01", 0.55),
-        ("offline-2026-12-01b", 0.7),
+        ("offline-2026-11-30", 0.85),
+        ("offline-2026-11-30-final", 0.8),
+        ("offline-2026-12-01", 0.74),
+        ("offline-2026-12-01b", 0.74),
     ],
 )
 def test_the_offline_vllm_budgets_pass_every_lease_and_catch_a_slide_back(lease, slide):
     engine, vllm = (load_result(STORED / lease / f"{target}-run.json") for target in ("engine", "vllm"))
     checks = check_offline(engine.offline, {"offline": vllm.offline}, BUDGETS)
-    assert {(c.level, c.metric) for c in checks if not c.skipped} == {
+    assert {(c.level, c.metric) for c in checks if not c.skipped} == {("offline probes", "single_tpot_s")}
+    assert {(c.level, c.metric) for c in checks if c.skipped} == {
         ("offline all", "output_tok_s"),
-        ("offline probes", "single_tpot_s"),
         ("offline probes", "prefill_tok_s"),
     }
     assert not any(c.failed for c in checks)
-    # the engine sliding back on each figure fails each budget (prefill: vLLM moved 21 % between leases)
+    # the engine sliding back per token (1.18-1.35x, less where it stood nearer vLLM) fails the budget
     slid = {key: dict(entry) for key, entry in engine.offline.items()}
-    slid["all"]["output_tok_s"] *= slide
     slid["probes"]["single_tpot_s"] /= slide
-    slid["probes"]["prefill_tok_s"] *= slide
     assert all(c.failed for c in check_offline(slid, {"offline": vllm.offline}, BUDGETS) if not c.skipped)
