@@ -8,6 +8,11 @@ step's wall time the GPU is busy (the profiler's device time / the steady step's
 kernel launches per step; the host's time per phase of the step (engine.timer: schedule, prepare,
 ...); and the top operators. `--json PATH` writes every figure. It drives the engine through its
 public API only, and changes nothing.
+
+`--prefill-chunk N` makes every timed step a mixed one, as under load: besides the batch's decodes
+it carries a new prompt of N tokens (one request a step, generating one token, so the decode batch
+stays the same). Mixed steps run eagerly, not as a CUDA graph; their GPU-busy fraction and launches
+per step say whether such a step waits on the host's launches or on the GPU.
 """
 
 from __future__ import annotations
@@ -109,14 +114,34 @@ def profile_batch(
     trace: str | None,
     temperature: float = 0.0,
     top_p: float = 1.0,
+    prefill_chunk: int = 0,
 ) -> tuple[dict[str, Any], Any]:
     """Fill the engine with `batch` sequences of `context` prompt tokens, prefill them, time runs of
     `steps` and 2 x `steps` decode steps (steady_step_seconds), then profile `steps` more; abort them
     all at the end, so the next batch starts empty. Greedy unless `temperature` says otherwise (the
-    sampled step's own costs: the sampler after the graph)."""
+    sampled step's own costs: the sampler after the graph). With `prefill_chunk` > 0, a new prompt of
+    that many tokens is added before each of those steps (while none waits), generating one token:
+    mixed steps of the same decodes."""
     params = SamplingParams(
         max_tokens=max_model_len - context, temperature=temperature, top_p=top_p, ignore_eos=True
     )
+    fed: list[str] = []
+
+    def feed() -> None:
+        """A new prompt for the next step, unless one still waits (the budget was full)."""
+        if prefill_chunk and not engine.scheduler.waiting:
+            one_token = SamplingParams(max_tokens=1, temperature=temperature, top_p=top_p, ignore_eos=True)
+            n = len(fed)
+            fed.append(f"profile-{batch}-prompt-{n}")
+            # Tokens of its own (no prefix cache hit): a shift of the sequence per prompt.
+            engine.add_request(
+                fed[-1], [1000 + (n * 131 + j * 7) % 29000 for j in range(prefill_chunk)], one_token
+            )
+
+    def step() -> None:
+        feed()
+        engine.step()
+
     request_ids = [f"profile-{batch}-{i}" for i in range(batch)]
     before = engine.stats()
     for i, request_id in enumerate(request_ids):
@@ -124,7 +149,7 @@ def profile_batch(
     while any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()  # prefill
     for _ in range(3):
-        engine.step()  # warm-up decodes
+        step()  # warm-up decodes (mixed ones with a prefill chunk)
     # Prompts differ within a batch, but a later batch's repeat an earlier one's (the first of 64 is
     # the one of 1), whose blocks the prefix cache may still hold: its prefill is shorter, decode alike.
     prefilled = engine.stats()
@@ -136,21 +161,27 @@ def profile_batch(
     def timed_run(n: int) -> float:
         sync()
         engine.timer.reset()
+        fed_before = len(fed)
         start = time.perf_counter()
         for _ in range(n):
-            engine.step()
+            step()
         sync()
-        return time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        prompts_per_step.append((len(fed) - fed_before) / n)
+        return elapsed
 
+    prompts_per_step: list[float] = []
     step_s = steady_step_seconds(timed_run, steps)
     host = engine.timer.summary()  # over the last, longer run
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     with profile(activities=activities) as prof:
         for _ in range(steps):
-            engine.step()
+            step()
         sync()
-    for request_id in request_ids:
+    for request_id in request_ids + fed:
         engine.abort(request_id)
+    while engine.has_unfinished_requests():
+        engine.step()  # the step in flight, and a fed prompt's last token
     if trace:
         prof.export_chrome_trace(trace)
     moved = bytes_per_decode_step(engine, batch, context)
@@ -160,7 +191,10 @@ def profile_batch(
         "temperature": temperature,
         "top_p": top_p,
         "step_ms": step_s * 1e3,
-        "tok_s": batch / step_s,
+        "tok_s": batch / step_s,  # decode tokens
+        "prefill_chunk": prefill_chunk,
+        # prompt tokens a timed step carried (the longer run): prefill_chunk while one fits a step
+        "prompt_tokens_per_step": prefill_chunk * prompts_per_step[-1],
         "bytes_per_step": moved,
         "achieved_gbs": moved / step_s / 1e9,
         # engine.timer over the timed steps: where the host's time goes (`execute` includes the wait
@@ -185,6 +219,11 @@ def report(figures: dict[str, Any], ceiling_gbs: float | None) -> list[str]:
     lines = [
         f"decode step: {step_ms:.2f} ms for {batch} sequences of ~{figures['context']} tokens ({figures['tok_s']:.0f} tok/s)"
     ]
+    if figures["prefill_chunk"]:
+        lines[0] = (
+            f"mixed step: {step_ms:.2f} ms for {batch} decodes of ~{figures['context']} tokens and "
+            f"{figures['prompt_tokens_per_step']:.0f} prompt tokens ({figures['tok_s']:.0f} decode tok/s)"
+        )
     moved_gb, achieved = figures["bytes_per_step"] / 1e9, figures["achieved_gbs"]
     if ceiling_gbs:
         lines.append(
@@ -250,6 +289,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--temperature", type=float, default=0.0, help="0 (default): greedy; above 0: sampled steps"
     )
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temperature)")
+    parser.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=0,
+        help="prompt tokens added to every timed step (mixed steps, run eagerly); 0: decode steps only",
+    )
     parser.add_argument("--max-model-len", type=int, default=4352)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--trace", help="write a Chrome trace here (one a batch: NAME-bB.json)")
@@ -276,6 +321,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             _trace_path(args.trace, batch, args.batch),
             args.temperature,
             args.top_p,
+            args.prefill_chunk,
         )
         figures["ceiling_fraction"] = figures["achieved_gbs"] / ceiling if ceiling else None
         results.append(figures)
@@ -291,6 +337,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "dtype": str(engine.dtype).removeprefix("torch."),
         "torch": torch.__version__,
         "context": args.context,
+        "prefill_chunk": args.prefill_chunk,
         "steps": args.steps,
         "copy_ceiling_gbs": ceiling,
         "config": engine.config_dict(),

@@ -124,3 +124,29 @@ def test_profile_cli_profiles_sampled_steps_when_asked(tiny_model_dir, monkeypat
     assert used == [(1.0, 0.9)]
     [figures] = out["batches"]
     assert (figures["temperature"], figures["top_p"]) == (1.0, 0.9) and figures["step_ms"] > 0
+
+
+def test_profile_cli_times_mixed_steps_with_a_prefill_chunk(tiny_model_dir, capsys):
+    """`--prefill-chunk 48`: every timed step carries a new 48-token prompt besides the batch's
+    decodes (one prompt a step, none left waiting), the report says so, and once done the engine
+    holds no request and no KV block of the profile's."""
+    engines: list[LLMEngine] = []
+    real = profile_module.LLMEngine
+
+    def keeping(args):
+        engines.append(real(args))
+        return engines[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(profile_module, "LLMEngine", keeping)
+        out = main(
+            ["--model", str(tiny_model_dir), "--batch", "3", "--context", "32", "--steps", "2"]
+            + ["--max-model-len", "256", "--prefill-chunk", "48", "--no-tables"]
+        )
+    [figures] = out["batches"]
+    assert out["prefill_chunk"] == 48 and figures["prefill_chunk"] == 48
+    assert figures["prompt_tokens_per_step"] == 48
+    assert "mixed step:" in capsys.readouterr().out
+    [engine] = engines
+    assert not engine.has_unfinished_requests()
+    assert engine.stats().kv_blocks_used == 0
