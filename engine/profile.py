@@ -148,11 +148,12 @@ def profile_batch(
         engine.add_request(request_id, [1000 + (i * 7 + j) % 29000 for j in range(context)], params)
     while any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()  # prefill
-    for _ in range(3):
-        step()  # warm-up decodes (mixed ones with a prefill chunk)
     # Prompts differ within a batch, but a later batch's repeat an earlier one's (the first of 64 is
     # the one of 1), whose blocks the prefix cache may still hold: its prefill is shorter, decode alike.
+    # Counted before the warm-up, whose fed prompts (with a prefill chunk) are not the batch's.
     prefilled = engine.stats()
+    for _ in range(3):
+        step()  # warm-up decodes (mixed ones with a prefill chunk)
     queries = prefilled.prefix_cache_queries - before.prefix_cache_queries
     hit_rate = (prefilled.prefix_cache_hits - before.prefix_cache_hits) / queries if queries else 0.0
     on_cuda = engine.device.type == "cuda"
