@@ -114,6 +114,10 @@ class LLMEngine:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs}), so every running sequence can decode in one step"
             )
+        if args.mixed_graph_max_tokens < 0:
+            raise ValueError(
+                f"mixed_graph_max_tokens must be >= 0 (0: no mixed-step graphs), got {args.mixed_graph_max_tokens}"
+            )
         torch.manual_seed(args.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(args.model)
         self.validator = RequestValidator(self.tokenizer, self.model_config.vocab_size, self.max_model_len)
@@ -129,6 +133,7 @@ class LLMEngine:
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 attention_backend=args.attention_backend,
                 enforce_eager=args.enforce_eager,
+                mixed_graph_max_tokens=args.mixed_graph_max_tokens,
                 seed=args.seed,
             ),
         )
@@ -312,5 +317,9 @@ class LLMEngine:
             device=str(self.device),
             attention_backend=self.runner.backend.name,
             cuda_graphs=self.runner.graphs is not None,
+            # the largest step with prompt tokens that replays graphs (0: such steps run eagerly)
+            mixed_graph_max_tokens=(
+                self.runner.mixed_graphs.sizes[-1] if self.runner.mixed_graphs is not None else 0
+            ),
         )
         return config

@@ -6,7 +6,9 @@ sampler stages its per-row settings the same way), and queues the forward pass a
 (`launch`, whose tokens arrive through PendingTokens). Within a
 batch, single-token queries (decodes) go first so the attention backend can batch them; a decode of a
 token the step in flight samples reads it on the device. A decode-only batch on CUDA replays a
-captured graph (engine.cuda_graphs) when the backend allows it; other steps run eagerly.
+captured graph (engine.cuda_graphs) when the backend allows it; a step with prompt tokens, up to
+`mixed_graph_max_tokens` of them, replays the piecewise graphs around its eager attention
+(engine.mixed_graphs); larger steps run eagerly.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from engine.attention import AttentionMetadata, forward_context, get_backend
 from engine.config import ModelConfig
 from engine.cuda_graphs import CudaGraphRunner
 from engine.loader import iter_weights
+from engine.mixed_graphs import MixedStepGraphs
 from engine.models import MODEL_CLASSES
 from engine.sampler import Sampler, SamplerConfig, SamplingBatch
 from engine.scheduler import SchedulerOutput
@@ -47,6 +50,8 @@ class RunnerConfig:
     max_num_batched_tokens: int
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    # Steps with prompt tokens up to this many tokens replay piecewise graphs (0: always eager).
+    mixed_graph_max_tokens: int = 4096
     seed: int = 0
 
 
@@ -59,6 +64,7 @@ class Batch:
     sampled: list[SequenceState]  # the sequences of the sampled rows, in row order
     sampling: SamplingBatch
     graph_size: int = 0  # > 0: replay the decode graph captured for this (padded) batch size
+    mixed_size: int = 0  # > 0: run the mixed-step graphs at this (padded) token count
     num_fed: int = 0  # rows whose input token is the previous step's sampled token, still on the device
 
 
@@ -95,6 +101,7 @@ class ModelRunner:
         self.tables = BlockTableRows(max_seqs, max_blocks)
         self.sampler = Sampler(SamplerConfig(model_config.vocab_size, max_seqs, config.device, config.seed))
         self.graphs: CudaGraphRunner | None = None
+        self.mixed_graphs: MixedStepGraphs | None = None
         # Where sampled tokens land on the host: pinned, so the copy back does not block the host; two,
         # since a step's copy can land before the host has read the previous step's tokens.
         pin = config.device.type == "cuda"
@@ -178,7 +185,8 @@ class ModelRunner:
         del hidden, sampled, logits
 
     def capture_graphs(self) -> None:
-        """Capture the decode graphs (once the KV cache is bound); a no-op where graphs do not apply."""
+        """Capture the decode graphs and the mixed steps' piecewise graphs (once the KV cache is
+        bound); a no-op where graphs do not apply."""
         config = self.runner_config
         if config.enforce_eager or self.device.type != "cuda" or not self.backend.supports_cuda_graphs:
             return
@@ -191,6 +199,18 @@ class ModelRunner:
             self.graphs.sizes[-1],
             time.perf_counter() - start,
         )
+        max_tokens = min(config.mixed_graph_max_tokens, config.max_num_batched_tokens)
+        if max_tokens > 0:
+            start = time.perf_counter()
+            self.mixed_graphs = MixedStepGraphs(self.model, self.buffers, max_tokens)
+            logger.info(
+                "captured %d mixed-step CUDA graphs (%d token counts up to %d, %d pieces each) in %.1f s",
+                len(self.mixed_graphs.sizes) * self.mixed_graphs.num_segments,
+                len(self.mixed_graphs.sizes),
+                max_tokens,
+                self.mixed_graphs.num_segments,
+                time.perf_counter() - start,
+            )
 
     def _graph_metadata(self, batch_size: int) -> AttentionMetadata:
         """Decode-only metadata over the first batch_size rows of the step buffers, for capture."""
@@ -301,11 +321,16 @@ class ModelRunner:
         buffers.host_feed_sources[: len(feed_rows)] = feed_sources
         self._next_sample_index = sample_index
         num_tokens = len(token_ids)
-        graph_size = 0
+        graph_size = mixed_size = 0
         if self.graphs is not None and meta.num_decodes == n:
             graph_size = self.graphs.padded_size(n)
             if graph_size:
                 self._pad(n, graph_size)
+        if not graph_size and self.mixed_graphs is not None:
+            mixed_size = self.mixed_graphs.padded_size(num_tokens)
+            if mixed_size:
+                self._pad_tokens(num_tokens, mixed_size)
+                meta.slot_mapping = buffers.slot_mapping[:mixed_size]
         self.buffers.upload(max(n, graph_size))
         return Batch(
             num_tokens=num_tokens,
@@ -315,6 +340,7 @@ class ModelRunner:
             sampled=sampled,
             sampling=self.sampler.prepare(sampled),
             graph_size=graph_size,
+            mixed_size=mixed_size,
             num_fed=len(feed_rows),
         )
 
@@ -325,6 +351,13 @@ class ModelRunner:
         buffers.host_positions[n:size] = 0
         buffers.host_slot_mapping[n:size] = -1
         buffers.host_seq_lens[n:size] = 0
+
+    def _pad_tokens(self, num_tokens: int, size: int) -> None:
+        """Token rows num_tokens..size-1 of a padded mixed step: in no sequence, KV write skipped."""
+        buffers = self.buffers
+        buffers.host_input_ids[num_tokens:size] = 0
+        buffers.host_positions[num_tokens:size] = 0
+        buffers.host_slot_mapping[num_tokens:size] = -1
 
     def release(self, seq_id: int) -> None:
         self.sampler.release(seq_id)
@@ -342,6 +375,10 @@ class ModelRunner:
         if batch.graph_size:
             assert self.graphs is not None
             hidden = self.graphs.replay(batch.graph_size)
+        elif batch.mixed_size:
+            assert self.mixed_graphs is not None
+            self.backend.prepare(batch.metadata)
+            hidden = self.mixed_graphs.run(batch.mixed_size, batch.metadata)
         else:
             self.backend.prepare(batch.metadata)
             with forward_context(batch.metadata):

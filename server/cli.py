@@ -44,6 +44,12 @@ ENGINE_FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ("--dtype", "dtype", str, "auto, float32, bfloat16 or float16"),
     ("--device", "device", str, "auto, cpu or cuda[:N]"),
     ("--seed", "seed", int, "random seed"),
+    (
+        "--mixed-graph-max-tokens",
+        "mixed_graph_max_tokens",
+        int,
+        "steps with prompt tokens, up to this many tokens, replay piecewise CUDA graphs (0: eager; default 4096)",
+    ),
 )
 API_KEY_ENV = "PAGED_ENGINE_API_KEY"
 TRACEMALLOC_ENV = "PAGED_ENGINE_TRACEMALLOC"  # set (to anything): trace the Python heap for /metrics

@@ -40,6 +40,8 @@ class AttentionMetadata:
     # Filled by the backend's prepare(), once per step, shared by every layer:
     decode_slots: torch.Tensor | None = None  # torch: [num_decodes, max_decode_len] cache slot per position
     decode_mask: torch.Tensor | None = None  # torch: [num_decodes, max_decode_len] True where it exists
+    # Triton: the decode kernel's context splits, chosen by the step's first layer for all of them
+    decode_splits: int = 0
 
     @property
     def num_seqs(self) -> int:

@@ -46,6 +46,7 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         rotary: RotaryInputs | None = None,  # (cos_sin, positions): q and k arrive unrotated
+        out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]: written instead of a new one
     ) -> torch.Tensor:
         """Store this step's K/V and attend. With rotary, q and k are first rotated in place (bit for bit
         as engine.kernels.rotary.apply_rotary would) by the same launch that stores K/V."""
@@ -65,13 +66,17 @@ class TritonAttentionBackend:
                 meta.slot_mapping,
                 check=False,
             )
-        out = torch.empty_like(query)
+        if out is None:
+            out = torch.empty_like(query)
         decodes = meta.num_decodes
         if decodes:
-            # A pure function of the batch size and the longest context: fixed per captured graph.
-            num_splits = choose_num_splits(
-                decodes, key.shape[1], meta.max_decode_len, _num_sms(query.device.index)
-            )
+            # A pure function of the batch size and the longest context: fixed per captured graph, and
+            # chosen once a step (every layer has the same shapes).
+            num_splits = meta.decode_splits
+            if not num_splits:
+                num_splits = meta.decode_splits = choose_num_splits(
+                    decodes, key.shape[1], meta.max_decode_len, _num_sms(query.device.index)
+                )
             paged_decode_attention(
                 query[:decodes],
                 kv_cache[0],
