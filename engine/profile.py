@@ -89,17 +89,21 @@ def top_operators(prof: Any, steps: int, on_cuda: bool, limit: int = 15) -> list
     ]
 
 
-def steady_step_seconds(timed_run: Callable[[int], float], steps: int) -> float:
-    """One step's wall time in steady decode: (T(2n) - T(n)) / n from timed runs of n and 2n steps.
+def steady_step_seconds(timed_run: Callable[[int], float], steps: int, repeats: int = 2) -> float:
+    """One step's wall time in steady decode: (T(2n) - T(n)) / n from timed runs of n and 2n steps,
+    each the fastest of `repeats` runs.
 
     A run of n steps also pays, once, for filling the pipeline (the first step's scheduling and
     preparation while the GPU waits) and draining it (the wait for the last step in flight). Over the
     few steps a profile times that is several percent of a step (0.6 ms at 64 sequences over 5 steps
     of 2.6 ms); the difference of two runs cancels it, so the GPU-busy fraction is one of steady
-    decode. A difference lost in noise (not positive) falls back to the longer run's mean.
+    decode. A difference lost in noise (not positive) falls back to the longer run's mean. The fastest
+    of repeated runs, since a run may pay once for something no steady step pays: a mixed step's
+    kernels meet argument shapes the warm-up did not (a new decode count, a new split count) and
+    Triton compiles a variant, for tenths of a second, mid-run.
     """
-    short = timed_run(steps)
-    long = timed_run(2 * steps)
+    short = min(timed_run(steps) for _ in range(repeats))
+    long = min(timed_run(2 * steps) for _ in range(repeats))
     if long <= short:
         return long / (2 * steps)
     return (long - short) / steps
@@ -294,7 +298,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--prefill-chunk",
         type=int,
         default=0,
-        help="prompt tokens added to every timed step (mixed steps, run eagerly); 0: decode steps only",
+        help="prompt tokens added to every timed step (mixed steps); 0: decode steps only",
+    )
+    parser.add_argument(
+        "--mixed-graph-max-tokens",
+        type=int,
+        default=EngineArgs.mixed_graph_max_tokens,
+        help="mixed steps up to this many tokens replay piecewise graphs; 0: eager (default: %(default)s)",
     )
     parser.add_argument("--max-model-len", type=int, default=4352)
     parser.add_argument("--dtype", default="auto")
@@ -306,8 +316,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         EngineArgs(
             model=args.model,
             max_model_len=args.max_model_len,
-            max_num_seqs=max(256, *args.batch),
+            # one more than the largest batch: a mixed step's new prompt needs a sequence slot
+            max_num_seqs=max(256, *args.batch) + (1 if args.prefill_chunk else 0),
             dtype=args.dtype,
+            mixed_graph_max_tokens=args.mixed_graph_max_tokens,
         )
     )
     ceiling = copy_bandwidth_gbs(engine.device) if engine.device.type == "cuda" else None

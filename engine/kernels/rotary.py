@@ -9,6 +9,8 @@ launch a layer instead of two); the Triton attention backend calls it when the m
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -190,9 +192,11 @@ def _rotary_store_kv_kernel(
         tl.store(value_cache_ptrs + HALF, value2, mask=cache_mask)
 
 
+@functools.cache
 def _tile_sizes(head_dim: int, num_heads: int, num_kv_heads: int) -> dict[str, int]:
     """The rotary kernels' constexpr tile sizes: half-heads padded to a power of two, and as many
-    heads a loop step as fit in MAX_TILE elements (one step for the models we serve)."""
+    heads a loop step as fit in MAX_TILE elements (one step for the models we serve). Cached: called
+    on every launch, a layer at a time (callers unpack it, never change it)."""
     half = head_dim // 2
     block_half = triton.next_power_of_2(half)
     max_heads = max(MAX_TILE // block_half, 1)
