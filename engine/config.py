@@ -106,8 +106,8 @@ class EngineArgs:
     device: str = "auto"
     seed: int = 0
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
-    # Steps with prompt tokens, up to this many tokens, replay piecewise CUDA graphs around their
-    # eager attention (engine.mixed_graphs); larger ones run eagerly. 0: never.
+    # Steps with prompt chunks, up to this many tokens, replay CUDA graphs captured per token count
+    # (engine.cuda_graphs); larger ones run eagerly. 0: never.
     mixed_graph_max_tokens: int = 4096
     attention_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere), torch or triton
     # Share the KV of prompt prefixes earlier requests computed (block_allocator), as vLLM and SGLang

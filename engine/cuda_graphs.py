@@ -1,10 +1,15 @@
-"""CUDA graphs for decode-only steps: capture once at start-up, replay every decode step.
+"""CUDA graphs of the whole forward pass: capture once at start-up, replay every step they serve.
 
-A graph is captured for each size of a ladder (1, 2, 4, 8, then steps of 8 up to 64 and of 16 beyond,
-up to max_num_seqs), largest first, all in one memory pool, each over the first `size` rows of the
-runner's persistent step buffers. A batch of n sequences replays the smallest graph of size >= n; the
-runner pads rows n..size-1 with context length 0 and KV slot -1, which the attention kernels skip. The
-runner asks `padded_size` and `replay`; it does not know how the graphs were made.
+Two sets, each a graph per size of a ladder, largest first, all in one memory pool, each over the
+first `size` rows of the runner's persistent step buffers. Decode-only steps: a graph per batch size
+(1, 2, 4, 8, then steps of 8 up to 64 and of 16 beyond, up to max_num_seqs); a batch of n sequences
+replays the smallest graph of size >= n, its rows n..size-1 padded with context length 0 and KV slot
+-1, which the attention kernels skip. Steps with prompt chunks: a graph per token count
+(`token_count_ladder`), whose attention reads the step's decodes and chunks from
+the step buffers over grids fixed at capture (AttentionMetadata.graph_decodes / graph_prefills). The
+runner asks `padded_size` and `replay`; it does not know how the graphs were made. `capture=False`
+runs the same forward pass, with the same metadata, without a graph (CPU, where there are none): how
+the tests check what a replay computes.
 """
 
 from __future__ import annotations
@@ -30,19 +35,39 @@ def batch_size_ladder(max_batch: int) -> list[int]:
     return sizes
 
 
+def token_count_ladder(max_tokens: int, smallest: int = 16) -> list[int]:
+    """16, 32, 48, ..., then steps of a quarter of the last power of two (a padded step does at most a
+    quarter more matmul work than it needs): ..., 128, 160, ..., 256, 320, ..., 4096; up to
+    max_tokens (always included), ascending."""
+    sizes = []
+    size = smallest
+    while size < max_tokens:
+        sizes.append(size)
+        power = 1 << (size.bit_length() - 1)
+        size += max(smallest, power // 4)
+    sizes.append(max_tokens)
+    return sizes
+
+
 class CudaGraphRunner:
     def __init__(
         self,
         model: nn.Module,
         buffers: StepBuffers,
         metadata_for: Callable[[int], AttentionMetadata],
-        max_batch: int,
+        sizes: list[int],
+        capture: bool = True,
     ) -> None:
         self.model = model
         self.buffers = buffers
         self.metadata_for = metadata_for
-        self.sizes = batch_size_ladder(max_batch)
+        self.sizes = sizes
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._metadata: dict[int, AttentionMetadata] = {}
+        if capture:
+            self.capture()
+        else:
+            self._metadata = {size: metadata_for(size) for size in sizes}
 
     def _forward(self, size: int, meta: AttentionMetadata) -> torch.Tensor:
         with forward_context(meta):
@@ -54,6 +79,9 @@ class CudaGraphRunner:
         # Capture-time contents: every row a padding row, so warm-up runs read and write no KV.
         buffers.slot_mapping.fill_(-1)
         buffers.seq_lens.zero_()
+        buffers.decode_seq_lens.zero_()
+        buffers.prefill_query_start_loc.zero_()
+        buffers.prefill_seq_lens.zero_()
         buffers.input_ids.zero_()
         buffers.positions.zero_()
         pool = torch.cuda.graph_pool_handle()
@@ -80,6 +108,8 @@ class CudaGraphRunner:
 
     def replay(self, size: int) -> torch.Tensor:
         """Run the graph of this size over the current buffers; [size, hidden] valid until the next replay."""
+        if self._metadata:  # not captured: the forward pass the graph would replay
+            return self._forward(size, self._metadata[size])
         graph, hidden = self._graphs[size]
         graph.replay()
         return hidden

@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--mixed-graph-max-tokens",
         type=int,
         default=EngineArgs.mixed_graph_max_tokens,
-        help="mixed steps up to this many tokens replay piecewise graphs; 0: eager (default: %(default)s)",
+        help="mixed steps up to this many tokens replay CUDA graphs; 0: eager (default: %(default)s)",
     )
     parser.add_argument("--max-model-len", type=int, default=4352)
     parser.add_argument("--dtype", default="auto")

@@ -6,9 +6,9 @@ sampler stages its per-row settings the same way), and queues the forward pass a
 (`launch`, whose tokens arrive through PendingTokens). Within a
 batch, single-token queries (decodes) go first so the attention backend can batch them; a decode of a
 token the step in flight samples reads it on the device. A decode-only batch on CUDA replays a
-captured graph (engine.cuda_graphs) when the backend allows it; a step with prompt tokens, up to
-`mixed_graph_max_tokens` of them, replays the piecewise graphs around its eager attention
-(engine.mixed_graphs); larger steps run eagerly.
+captured graph (engine.cuda_graphs) when the backend allows it, and so does a step with prompt
+chunks (up to `mixed_graph_max_tokens` tokens and StepCapacity.graph_prefills chunks), whose
+attention then reads the step from buffers the runner fills for it; larger steps run eagerly.
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ import torch
 
 from engine.attention import AttentionMetadata, forward_context, get_backend
 from engine.config import ModelConfig
-from engine.cuda_graphs import CudaGraphRunner
+from engine.cuda_graphs import CudaGraphRunner, batch_size_ladder, token_count_ladder
 from engine.loader import iter_weights
-from engine.mixed_graphs import MixedStepGraphs
 from engine.models import MODEL_CLASSES
 from engine.sampler import Sampler, SamplerConfig, SamplingBatch
 from engine.scheduler import SchedulerOutput
@@ -50,7 +49,7 @@ class RunnerConfig:
     max_num_batched_tokens: int
     attention_backend: str = "auto"
     enforce_eager: bool = False
-    # Steps with prompt tokens up to this many tokens replay piecewise graphs (0: always eager).
+    # Steps with prompt tokens up to this many tokens replay graphs (0: always eager).
     mixed_graph_max_tokens: int = 4096
     seed: int = 0
 
@@ -64,7 +63,7 @@ class Batch:
     sampled: list[SequenceState]  # the sequences of the sampled rows, in row order
     sampling: SamplingBatch
     graph_size: int = 0  # > 0: replay the decode graph captured for this (padded) batch size
-    mixed_size: int = 0  # > 0: run the mixed-step graphs at this (padded) token count
+    mixed_size: int = 0  # > 0: replay the mixed-step graph captured for this (padded) token count
     num_fed: int = 0  # rows whose input token is the previous step's sampled token, still on the device
 
 
@@ -101,7 +100,7 @@ class ModelRunner:
         self.tables = BlockTableRows(max_seqs, max_blocks)
         self.sampler = Sampler(SamplerConfig(model_config.vocab_size, max_seqs, config.device, config.seed))
         self.graphs: CudaGraphRunner | None = None
-        self.mixed_graphs: MixedStepGraphs | None = None
+        self.mixed_graphs: CudaGraphRunner | None = None
         # Where sampled tokens land on the host: pinned, so the copy back does not block the host; two,
         # since a step's copy can land before the host has read the previous step's tokens.
         pin = config.device.type == "cuda"
@@ -185,14 +184,15 @@ class ModelRunner:
         del hidden, sampled, logits
 
     def capture_graphs(self) -> None:
-        """Capture the decode graphs and the mixed steps' piecewise graphs (once the KV cache is
-        bound); a no-op where graphs do not apply."""
+        """Capture the decode graphs and the mixed steps' graphs (once the KV cache is bound); a no-op
+        where graphs do not apply."""
         config = self.runner_config
         if config.enforce_eager or self.device.type != "cuda" or not self.backend.supports_cuda_graphs:
             return
         start = time.perf_counter()
-        self.graphs = CudaGraphRunner(self.model, self.buffers, self._graph_metadata, config.max_num_seqs)
-        self.graphs.capture()
+        self.graphs = CudaGraphRunner(
+            self.model, self.buffers, self._graph_metadata, batch_size_ladder(config.max_num_seqs)
+        )
         logger.info(
             "captured %d decode CUDA graphs (batch 1..%d) in %.1f s",
             len(self.graphs.sizes),
@@ -202,15 +202,61 @@ class ModelRunner:
         max_tokens = min(config.mixed_graph_max_tokens, config.max_num_batched_tokens)
         if max_tokens > 0:
             start = time.perf_counter()
-            self.mixed_graphs = MixedStepGraphs(self.model, self.buffers, max_tokens)
+            self.mixed_graphs = CudaGraphRunner(
+                self.model, self.buffers, self._mixed_graph_metadata, token_count_ladder(max_tokens)
+            )
             logger.info(
-                "captured %d mixed-step CUDA graphs (%d token counts up to %d, %d pieces each) in %.1f s",
-                len(self.mixed_graphs.sizes) * self.mixed_graphs.num_segments,
+                "captured %d CUDA graphs for steps with prompt chunks (%d..%d tokens, up to %d chunks) in %.1f s",
                 len(self.mixed_graphs.sizes),
-                max_tokens,
-                self.mixed_graphs.num_segments,
+                self.mixed_graphs.sizes[0],
+                self.mixed_graphs.sizes[-1],
+                self.buffers.capacity.graph_prefills,
                 time.perf_counter() - start,
             )
+
+    def _mixed_graph_metadata(self, num_tokens: int) -> AttentionMetadata:
+        """A mixed step of num_tokens (padded) tokens, for capture: the decode kernel over as many rows
+        as the step can have decodes, the prefill kernel over graph_prefills chunks; the step buffers
+        say which rows and chunks are real (`_fill_graph_view`)."""
+        buffers = self.buffers
+        rows = self._graph_decode_rows(num_tokens)
+        meta = AttentionMetadata(
+            slot_mapping=buffers.slot_mapping[:num_tokens],
+            block_tables=buffers.block_tables[:rows],
+            seq_lens=buffers.seq_lens[:rows],
+            query_start_loc=buffers.query_start_loc[: rows + 1],
+            seq_lens_cpu=[self.max_model_len] * rows,
+            query_start_loc_cpu=list(range(rows + 1)),
+            num_decodes=rows,
+            block_size=self.block_size,
+            max_decode_len=self.max_model_len,  # a graph serves every context length
+            max_prefill_len=num_tokens,
+            graph_decodes=rows,
+            graph_prefills=buffers.capacity.graph_prefills,
+            decode_seq_lens=buffers.decode_seq_lens,
+            prefill_query_start_loc=buffers.prefill_query_start_loc,
+            prefill_seq_lens=buffers.prefill_seq_lens,
+            prefill_block_tables=buffers.prefill_block_tables,
+        )
+        self.backend.prepare(meta)
+        return meta
+
+    def _graph_decode_rows(self, num_tokens: int) -> int:
+        """How many rows a mixed graph of num_tokens gives the decode kernel: all a step can have."""
+        return min(num_tokens, self.runner_config.max_num_seqs)
+
+    def _fill_graph_view(self, n: int, num_decodes: int, num_tokens: int, rows: int) -> None:
+        """The step as a mixed graph's attention reads it, in the host buffers: the decodes' context
+        lengths (0 up to `rows`), the chunks' offsets, lengths and tables (empty chunks after them)."""
+        buffers = self.buffers
+        chunks = n - num_decodes
+        buffers.host_decode_seq_lens[:num_decodes] = buffers.host_seq_lens[:num_decodes]
+        buffers.host_decode_seq_lens[num_decodes:rows] = 0
+        buffers.host_prefill_query_start_loc[: chunks + 1] = buffers.host_query_start_loc[num_decodes : n + 1]
+        buffers.host_prefill_query_start_loc[chunks + 1 :] = num_tokens
+        buffers.host_prefill_seq_lens[:chunks] = buffers.host_seq_lens[num_decodes:n]
+        buffers.host_prefill_seq_lens[chunks:] = 0
+        buffers.host_prefill_block_tables[:chunks] = buffers.host_block_tables[num_decodes:n]
 
     def _graph_metadata(self, batch_size: int) -> AttentionMetadata:
         """Decode-only metadata over the first batch_size rows of the step buffers, for capture."""
@@ -326,11 +372,15 @@ class ModelRunner:
             graph_size = self.graphs.padded_size(n)
             if graph_size:
                 self._pad(n, graph_size)
-        if not graph_size and self.mixed_graphs is not None:
+        if (
+            not graph_size
+            and self.mixed_graphs is not None
+            and n - meta.num_decodes <= buffers.capacity.graph_prefills
+        ):
             mixed_size = self.mixed_graphs.padded_size(num_tokens)
             if mixed_size:
                 self._pad_tokens(num_tokens, mixed_size)
-                meta.slot_mapping = buffers.slot_mapping[:mixed_size]
+                self._fill_graph_view(n, meta.num_decodes, num_tokens, self._graph_decode_rows(mixed_size))
         self.buffers.upload(max(n, graph_size))
         return Batch(
             num_tokens=num_tokens,
@@ -377,8 +427,7 @@ class ModelRunner:
             hidden = self.graphs.replay(batch.graph_size)
         elif batch.mixed_size:
             assert self.mixed_graphs is not None
-            self.backend.prepare(batch.metadata)
-            hidden = self.mixed_graphs.run(batch.mixed_size, batch.metadata)
+            hidden = self.mixed_graphs.replay(batch.mixed_size)
         else:
             self.backend.prepare(batch.metadata)
             with forward_context(batch.metadata):

@@ -1,7 +1,9 @@
 """The runner's per-step input tensors: an int32 host buffer, pinned on CUDA, and its device twin.
 
 Both are carved into segments at fixed offsets (input ids, positions, KV slots, context lengths,
-query offsets, sampled rows, rows fed from the previous step's tokens, block tables), sized for the
+query offsets, sampled rows, rows fed from the previous step's tokens, block tables; and the
+attention's view of a step that replays a mixed-step graph: the decodes' context lengths, zero past
+them, and the prompt chunks' offsets, lengths and block tables, padded to a fixed count), sized for the
 largest step. The runner writes a step with numpy into the host views and sends it with one copy; the
 device views keep their addresses from step to step, which is what lets a CUDA graph captured over
 them replay with new contents. The host side is double-buffered (`flip`): a step is prepared while
@@ -21,6 +23,7 @@ class StepCapacity:
     max_tokens: int  # max_num_batched_tokens
     max_seqs: int  # max_num_seqs (or more, for the start-up profile run)
     max_blocks_per_seq: int  # ceil(max_model_len / block_size)
+    graph_prefills: int = 8  # prompt chunks a step may carry and still replay a mixed-step graph
 
 
 # Segment order: the small per-sequence ones first, block tables last, so a step's upload can stop
@@ -31,9 +34,13 @@ _SEGMENTS = (
     "sample_indices",
     "feed_rows",
     "feed_sources",
+    "decode_seq_lens",
+    "prefill_query_start_loc",
+    "prefill_seq_lens",
     "input_ids",
     "positions",
     "slot_mapping",
+    "prefill_block_tables",
     "block_tables",
 )
 
@@ -44,15 +51,20 @@ class StepBuffers:
     def __init__(self, capacity: StepCapacity, device: torch.device) -> None:
         self.capacity = capacity
         t, s, b = capacity.max_tokens, capacity.max_seqs, capacity.max_blocks_per_seq
+        p = capacity.graph_prefills
         sizes = {
             "seq_lens": s,
             "query_start_loc": s + 1,
             "sample_indices": s,
             "feed_rows": s,
             "feed_sources": s,
+            "decode_seq_lens": s,
+            "prefill_query_start_loc": p + 1,
+            "prefill_seq_lens": p,
             "input_ids": t,
             "positions": t,
             "slot_mapping": t,
+            "prefill_block_tables": p * b,
             "block_tables": s * b,
         }
         self._offsets: dict[str, int] = {}
@@ -76,6 +88,10 @@ class StepBuffers:
         self.input_ids = dev[view["input_ids"]]
         self.positions = dev[view["positions"]]
         self.slot_mapping = dev[view["slot_mapping"]]
+        self.decode_seq_lens = dev[view["decode_seq_lens"]]
+        self.prefill_query_start_loc = dev[view["prefill_query_start_loc"]]
+        self.prefill_seq_lens = dev[view["prefill_seq_lens"]]
+        self.prefill_block_tables = dev[view["prefill_block_tables"]].view(p, b)
         self.block_tables = dev[view["block_tables"]].view(s, b)
 
     def _bind_host(self) -> None:
@@ -94,6 +110,12 @@ class StepBuffers:
         self.host_input_ids = view("input_ids")
         self.host_positions = view("positions")
         self.host_slot_mapping = view("slot_mapping")
+        self.host_decode_seq_lens = view("decode_seq_lens")
+        self.host_prefill_query_start_loc = view("prefill_query_start_loc")
+        self.host_prefill_seq_lens = view("prefill_seq_lens")
+        self.host_prefill_block_tables = view("prefill_block_tables").reshape(
+            cap.graph_prefills, cap.max_blocks_per_seq
+        )
         self.host_block_tables = view("block_tables").reshape(cap.max_seqs, cap.max_blocks_per_seq)
 
     def flip(self) -> None:

@@ -1,7 +1,7 @@
 """Attention backends behind one interface, chosen by name through a small registry.
 
 A backend has `prepare(meta)` (once per step: what every layer shares), `forward(q, k, v, kv_cache,
-meta, scale, out=None)` (store this step's K/V, attend; into `out` when given), `supports_cuda_graphs` and `fuses_rotary`: where True,
+meta, scale)` (store this step's K/V, attend), `supports_cuda_graphs` and `fuses_rotary`: where True,
 the model may hand the rotary embedding to `forward(..., rotary=(cos_sin, positions))` and the backend
 rotates q and k in the same launch that stores K/V. `get_backend("auto", device)` picks Triton on CUDA
 when triton is installed, else the torch reference; every backend must agree with the torch reference.
@@ -38,7 +38,6 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         rotary: RotaryInputs | None = None,
-        out: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 

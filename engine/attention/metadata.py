@@ -42,6 +42,17 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # torch: [num_decodes, max_decode_len] True where it exists
     # Triton: the decode kernel's context splits, chosen by the step's first layer for all of them
     decode_splits: int = 0
+    # A step with prompt chunks replayed from a captured graph (engine.runner): the kernels' grids are
+    # fixed by the graph's token count, not by the step. The decode kernel covers graph_decodes rows
+    # with decode_seq_lens (0 past the step's decodes: those rows output zeros, which the prefill
+    # kernel then overwrites where they are prompt tokens); the prefill kernel covers graph_prefills
+    # chunks through prefill_* (absolute token offsets; chunks past the step's are empty).
+    graph_decodes: int = 0
+    graph_prefills: int = 0
+    decode_seq_lens: torch.Tensor | None = None  # [>= graph_decodes]
+    prefill_query_start_loc: torch.Tensor | None = None  # [graph_prefills + 1]
+    prefill_seq_lens: torch.Tensor | None = None  # [graph_prefills]
+    prefill_block_tables: torch.Tensor | None = None  # [graph_prefills, max_blocks_per_seq]
 
     @property
     def num_seqs(self) -> int:

@@ -37,14 +37,9 @@ class TorchAttentionBackend:
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> None:
-        """Store this step's K/V. kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim].
-
-        Rows with slot -1 (a padded step's padding rows) store nothing, as in the Triton kernels."""
+        """Store this step's K/V. kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]."""
         flat = kv_cache.flatten(1, 2)  # [2, num_slots, num_kv_heads, head_dim]
         slots = meta.slot_mapping.long()
-        if key.shape[0] and bool((slots < 0).any()):
-            keep = slots >= 0
-            slots, key, value = slots[keep], key[keep], value[keep]
         flat[0].index_copy_(0, slots, key)
         flat[1].index_copy_(0, slots, value)
 
@@ -57,13 +52,11 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         rotary: RotaryInputs | None = None,
-        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if rotary is not None:
             raise ValueError("the torch attention backend does not fuse rotary (fuses_rotary is False)")
         self.write_kv(key, value, kv_cache, meta)
-        if out is None:
-            out = torch.empty_like(query)
+        out = torch.empty_like(query)
         if meta.num_decodes:
             out[: meta.num_decodes] = self._decode(query[: meta.num_decodes], kv_cache, meta, scale)
         self.prefill(query, key, value, kv_cache, meta, scale, out)

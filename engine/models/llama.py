@@ -157,18 +157,15 @@ class Attention(nn.Module):
         # [2, num_blocks, block_size, num_kv_heads, head_dim]; bound by the runner once sized.
         self.kv_cache: torch.Tensor = torch.empty(0)
 
-    def attend(self, qkv: torch.Tensor, rope: RopeStep, out: torch.Tensor | None = None) -> torch.Tensor:
-        """qkv [num_tokens, q + 2 kv] (the projection's output; q and k may be rotated in place) ->
-        [num_tokens, q_size]: store this step's K/V and attend. The part of a layer that reads the
-        step's attention metadata: a mixed step's graphs (engine.mixed_graphs) run it eagerly, writing
-        into `out` ([num_tokens, num_heads, head_dim]), between the captured pieces around it."""
+    def forward(self, x: torch.Tensor, rope: RopeStep) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         rotary = self.rotary[0]
         if rope.cos is None and self.backend.fuses_rotary:  # kernels: rotated as K/V are stored, one launch
-            result = self.backend.forward(
+            out = self.backend.forward(
                 q,
                 k,
                 v,
@@ -176,12 +173,11 @@ class Attention(nn.Module):
                 current_metadata(),
                 self.scale,
                 rotary=(rotary.cos_sin, rope.positions),
-                out=out,
             )
         else:
             q, k = rotary.rotate(q, k, rope)
-            result = self.backend.forward(q, k, v, self.kv_cache, current_metadata(), self.scale, out=out)
-        return result.reshape(-1, self.q_size)
+            out = self.backend.forward(q, k, v, self.kv_cache, current_metadata(), self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
@@ -224,22 +220,8 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, rope: RopeStep
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        qkv, residual = self.attention_input(x, residual)
-        return self.attention_output(self.self_attn.attend(qkv, rope), residual)
-
-    # The layer in the two halves around its attention, for the mixed step's piecewise graphs.
-    def attention_input(
-        self, x: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the previous layer's output, the running residual) -> (qkv of the normed sum, residual)."""
         h, residual = self.input_layernorm(x, residual)
-        return self.self_attn.qkv_proj(h), residual
-
-    def attention_output(
-        self, attended: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(attention's [num_tokens, q_size], residual) -> (the MLP's output, the running residual)."""
-        h, residual = self.post_attention_layernorm(self.self_attn.o_proj(attended), residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, rope), residual)
         return self.mlp(h), residual
 
 

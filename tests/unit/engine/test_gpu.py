@@ -90,7 +90,7 @@ def test_decode_graphs_replay_what_eager_steps_compute(tiny_model_dir):
 
 def test_mixed_step_graphs_replay_what_eager_steps_compute(tiny_model_dir):
     """float32: prompts chunked beside running decodes (a 256-token step budget), so most steps carry
-    prompt tokens and replay the piecewise graphs, padded; the same tokens as every step eager."""
+    prompt chunks and replay the mixed-step graphs, padded; the same tokens as every step eager."""
     rng = random.Random(4)
     prompts = [[rng.randrange(1000, 30000) for _ in range(rng.randrange(1, 700))] for _ in range(24)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -105,28 +105,31 @@ def test_mixed_step_graphs_replay_what_eager_steps_compute(tiny_model_dir):
             max_num_seqs=16,
             enforce_eager=eager,
         )
-        graphs = llm.engine.runner.mixed_graphs
-        assert (graphs is None) == eager
-        if graphs is not None:
-            assert graphs.sizes[-1] == 256 and llm.engine.config_dict()["mixed_graph_max_tokens"] == 256
-            graphs.run = _counting(graphs.run, mixed_steps)
+        runner = llm.engine.runner
+        assert (runner.mixed_graphs is None) == eager
+        if not eager:
+            assert runner.mixed_graphs.sizes[-1] == 256
+            assert llm.engine.config_dict()["mixed_graph_max_tokens"] == 256
+            runner.prepare = _noting(runner.prepare, mixed_steps)
         results[eager] = [o.token_ids for o in llm.generate(prompts, params)]
         assert llm.engine.stats().kv_blocks_used == 0
-        del llm, graphs
+        del llm, runner
         gc.collect()
         torch.cuda.empty_cache()
     assert results[False] == results[True]
-    assert len(mixed_steps) >= 10 and any(size > n for n, size in mixed_steps), mixed_steps
+    replayed = [(chunks, size) for chunks, size in mixed_steps if size]
+    assert sum(chunks > 0 for chunks, _ in replayed) >= 10, mixed_steps
 
 
-def _counting(run, steps: list):
-    """MixedStepGraphs.run that first notes each step's (real tokens, padded size)."""
+def _noting(prepare, steps: list):
+    """ModelRunner.prepare that notes each step's (prompt chunks, mixed graph size or 0)."""
 
-    def counted(size, meta):
-        steps.append((meta.query_start_loc_cpu[-1], size))
-        return run(size, meta)
+    def noted(*args):
+        batch = prepare(*args)
+        steps.append((batch.metadata.num_seqs - batch.metadata.num_decodes, batch.mixed_size))
+        return batch
 
-    return counted
+    return noted
 
 
 def test_triton_is_the_default_backend_on_cuda(tiny_model_dir):

@@ -64,18 +64,23 @@ def test_buffers_share_one_host_block_and_views_do_not_overlap():
         buffers.host_sample_indices,
         buffers.host_feed_rows,
         buffers.host_feed_sources,
+        buffers.host_decode_seq_lens,
+        buffers.host_prefill_query_start_loc,
+        buffers.host_prefill_seq_lens,
         buffers.host_input_ids,
         buffers.host_positions,
         buffers.host_slot_mapping,
+        buffers.host_prefill_block_tables,
         buffers.host_block_tables,
     ]
     for index, view in enumerate(views):
         view[...] = index + 1
     host = buffers.host.numpy()
-    assert sorted(np.unique(host).tolist()) == list(range(1, 10))
+    assert sorted(np.unique(host).tolist()) == list(range(1, len(views) + 1))
     assert host.size == sum(v.size for v in views)
     assert buffers.block_tables.shape == (4, 3)
-    assert int(buffers.slot_mapping[0]) == 8  # device views read the same memory on CPU
+    assert buffers.prefill_block_tables.shape == (8, 3)
+    assert int(buffers.slot_mapping[0]) == 11  # device views read the same memory on CPU
 
 
 def test_fill_writes_a_mixed_step(tiny_model_dir):
@@ -96,3 +101,30 @@ def test_fill_writes_a_mixed_step(tiny_model_dir):
     assert meta.query_start_loc_cpu == [0, 1, 4] == buffers.host_query_start_loc[:3].tolist()
     assert meta.max_prefill_len == 3
     assert meta.block_tables[:, :2].tolist() == [[2, 0], [1, 0]]
+
+
+def test_the_graph_view_of_a_mixed_step_pads_decodes_and_chunks(tiny_model_dir):
+    """What a mixed-step graph's attention reads: the decodes' lengths then zeros up to the rows the
+    graph gives the decode kernel (stale values there would make it attend for rows nobody reads);
+    the chunks' absolute offsets, lengths and tables, then empty chunks (offset = the step's tokens)."""
+    from engine import EngineArgs, LLMEngine
+
+    engine = LLMEngine(EngineArgs(model=str(tiny_model_dir), device="cpu", block_size=4, max_model_len=64))
+    runner = engine.runner
+    buffers = runner.buffers
+    for view in (
+        buffers.host_decode_seq_lens,
+        buffers.host_prefill_seq_lens,
+        buffers.host_prefill_query_start_loc,
+    ):
+        view[:] = 99  # a previous step's leftovers
+    rows = runner.tables.array
+    rows[0, :2], rows[1, :1], rows[2, :3], rows[3, :1] = [7, 8], [3], [4, 5, 6], [9]
+    # Two decodes (positions 5 and 0), then chunks of 3 tokens (from 0) and 2 tokens (from 8).
+    runner._fill(np.array([5, 0, 0, 8]), np.array([1, 1, 3, 2]), np.arange(7), [0, 1, 2, 3])
+    runner._fill_graph_view(n=4, num_decodes=2, num_tokens=7, rows=6)
+    assert buffers.host_decode_seq_lens[:7].tolist() == [6, 1, 0, 0, 0, 0, 99]
+    chunks = buffers.capacity.graph_prefills
+    assert buffers.host_prefill_query_start_loc.tolist() == [2, 5, 7] + [7] * (chunks - 2)
+    assert buffers.host_prefill_seq_lens.tolist() == [3, 10] + [0] * (chunks - 2)
+    assert buffers.host_prefill_block_tables[:2, :3].tolist() == [[4, 5, 6], [9, 0, 0]]

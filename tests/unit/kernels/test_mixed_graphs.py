@@ -1,11 +1,12 @@
-"""The mixed step's piecewise forward pass (engine.mixed_graphs) against the plain one.
+"""Steps with prompt chunks through the mixed-step graphs' attention, against the plain forward pass.
 
-The segments run as they would be captured, without the capture (`capture=False`; on CPU there are
-no CUDA graphs): the same pieces, edge buffers and padding rows. Steps with prompt chunks beside
-decodes, padded to the ladder's sizes, must pick the same greedy tokens in float32 as the engine
-without them, on the torch reference and on the Triton kernels (on CPU through the interpreter: the
-in-place norms and the attention writing into the edge buffer). tests/unit/engine/test_gpu.py
-replays the captured graphs.
+A mixed-step graph fixes its kernels' grids at capture: the decode kernel covers as many rows as the
+step may have decodes and the prefill kernel graph_prefills chunks, and both read the step from
+buffers the runner fills for it (decode lengths 0 past the decodes, empty chunks past the chunks,
+padding tokens with KV slot -1). Here the graphs run uncaptured (`capture=False`: the same forward
+pass and metadata a replay runs; on CPU through Triton's interpreter), so steps padded to the
+ladder's sizes must pick the same greedy tokens in float32 as the engine without them.
+tests/unit/engine/test_gpu.py replays captured graphs.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.mixed_graphs import MixedStepGraphs, token_count_ladder
+from engine.cuda_graphs import CudaGraphRunner, token_count_ladder
 
 STEP_TOKENS = 64
 
@@ -31,55 +32,70 @@ def test_the_ladder_pads_a_step_by_at_most_a_quarter_past_64_tokens():
     assert token_count_ladder(8) == [8]
 
 
-class CountingGraphs(MixedStepGraphs):
-    """The pieces without capture, counting each step's real and padded token counts."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, capture=False, **kwargs)
-        self.steps: list[tuple[int, int]] = []
-
-    def run(self, size, meta):
-        self.steps.append((meta.query_start_loc_cpu[-1], size))
-        return super().run(size, meta)
-
-
-def _generate(model_dir, device, backend: str, pieces: bool, prompts):
+def _generate(model_dir, device, graphs: bool, prompts, max_num_seqs: int = 8):
+    """Greedy tokens, and each step's (prompt chunks, padded size of the mixed graph it replayed or 0)."""
     llm = LLM(
         str(model_dir),
         device=str(device),
         dtype="float32",
-        attention_backend=backend,
+        attention_backend="triton",
         max_model_len=256,
-        max_num_seqs=8,
+        max_num_seqs=max_num_seqs,
         max_num_batched_tokens=STEP_TOKENS,  # long prompts are chunked beside the running decodes
         block_size=8,
-        enforce_eager=True,  # no graphs unless the test installs the pieces
+        num_kv_blocks=256,  # sized, not measured: on CUDA, earlier tests' engines may still hold memory
+        enforce_eager=True,  # no captured graphs: the test installs uncaptured ones
     )
     runner = llm.engine.runner
     assert runner.mixed_graphs is None
-    graphs = None
-    if pieces:
-        graphs = runner.mixed_graphs = CountingGraphs(runner.model, runner.buffers, STEP_TOKENS)
+    steps: list[tuple[int, int]] = []
+    if graphs:
+        runner.mixed_graphs = CudaGraphRunner(
+            runner.model,
+            runner.buffers,
+            runner._mixed_graph_metadata,
+            token_count_ladder(STEP_TOKENS),
+            capture=False,
+        )
+        prepare = runner.prepare
+
+        def noted(*args):
+            batch = prepare(*args)
+            steps.append((batch.metadata.num_seqs - batch.metadata.num_decodes, batch.mixed_size))
+            return batch
+
+        runner.prepare = noted  # type: ignore[method-assign]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     tokens = [o.token_ids for o in llm.generate(prompts, params)]
     assert llm.engine.stats().kv_blocks_used == 0
-    return tokens, graphs
+    return tokens, steps, runner
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_padded_mixed_steps_through_the_pieces_pick_the_plain_forward_passs_tokens(
-    tiny_model_dir, device, backend
+def test_padded_mixed_steps_through_the_graphs_attention_pick_the_plain_forward_passs_tokens(
+    tiny_model_dir, device
 ):
     rng = random.Random(3)
     prompts = [[rng.randrange(100, 30000) for _ in range(n)] for n in (1, 5, 17, 40, 90, 130)]
-    reference, _ = _generate(tiny_model_dir, device, backend, False, prompts)
-    tokens, graphs = _generate(tiny_model_dir, device, backend, True, prompts)
+    reference, _, _ = _generate(tiny_model_dir, device, False, prompts)
+    tokens, steps, _ = _generate(tiny_model_dir, device, True, prompts)
     assert tokens == reference
-    assert graphs is not None
-    mixed = [(n, size) for n, size in graphs.steps if n > 8]  # more tokens than sequences: a chunk rode along
-    assert mixed, f"no step carried a prompt chunk: {graphs.steps}"
-    assert any(size > n for n, size in graphs.steps), "no step was padded"
-    assert all(size == next(s for s in graphs.sizes if s >= n) for n, size in graphs.steps)
+    replayed = [size for _, size in steps if size]
+    assert len(replayed) == len(steps), f"a step ran eagerly: {steps}"
+    assert any(chunks >= 2 for chunks, _ in steps), f"no step carried several chunks: {steps}"
+    assert len(set(replayed)) >= 2, f"every step had the same padded size: {steps}"
+
+
+def test_a_step_of_more_chunks_than_a_graph_holds_runs_eagerly(tiny_model_dir, device):
+    """Nine short prompts admitted in one step: more chunks than the graphs' eight. That step runs
+    eagerly, the decodes after it replay the graphs, and the tokens are the plain forward pass's."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(100, 30000) for _ in range(3)] for _ in range(9)]
+    reference, _, _ = _generate(tiny_model_dir, device, False, prompts, max_num_seqs=16)
+    tokens, steps, runner = _generate(tiny_model_dir, device, True, prompts, max_num_seqs=16)
+    assert tokens == reference
+    assert runner.buffers.capacity.graph_prefills == 8
+    assert steps[0] == (9, 0)
+    assert all(size for _, size in steps[1:]), steps
 
 
 def test_a_negative_mixed_graph_limit_is_refused_by_name(tiny_model_dir):
