@@ -215,30 +215,19 @@ class ModelRunner:
             )
 
     def _mixed_graph_metadata(self, num_tokens: int) -> AttentionMetadata:
-        """A mixed step of num_tokens (padded) tokens, for capture: the decode kernel over as many rows
-        as the step can have decodes, the prefill kernel over graph_prefills chunks; the step buffers
-        say which rows and chunks are real (`_fill_graph_view`)."""
+        """A mixed step of num_tokens (padded) tokens, for capture: the decode graph's metadata for as
+        many rows as the step can have decodes, plus graph_prefills chunks for the prefill kernel; the
+        step buffers say which rows and chunks are real (`_fill_graph_view`)."""
         buffers = self.buffers
-        rows = self._graph_decode_rows(num_tokens)
-        meta = AttentionMetadata(
-            slot_mapping=buffers.slot_mapping[:num_tokens],
-            block_tables=buffers.block_tables[:rows],
-            seq_lens=buffers.seq_lens[:rows],
-            query_start_loc=buffers.query_start_loc[: rows + 1],
-            seq_lens_cpu=[self.max_model_len] * rows,
-            query_start_loc_cpu=list(range(rows + 1)),
-            num_decodes=rows,
-            block_size=self.block_size,
-            max_decode_len=self.max_model_len,  # a graph serves every context length
-            max_prefill_len=num_tokens,
-            graph_decodes=rows,
-            graph_prefills=buffers.capacity.graph_prefills,
-            decode_seq_lens=buffers.decode_seq_lens,
-            prefill_query_start_loc=buffers.prefill_query_start_loc,
-            prefill_seq_lens=buffers.prefill_seq_lens,
-            prefill_block_tables=buffers.prefill_block_tables,
-        )
-        self.backend.prepare(meta)
+        meta = self._graph_metadata(self._graph_decode_rows(num_tokens))
+        meta.slot_mapping = buffers.slot_mapping[:num_tokens]
+        meta.max_prefill_len = num_tokens
+        meta.graph_decodes = meta.num_decodes
+        meta.graph_prefills = buffers.capacity.graph_prefills
+        meta.decode_seq_lens = buffers.decode_seq_lens
+        meta.prefill_query_start_loc = buffers.prefill_query_start_loc
+        meta.prefill_seq_lens = buffers.prefill_seq_lens
+        meta.prefill_block_tables = buffers.prefill_block_tables
         return meta
 
     def _graph_decode_rows(self, num_tokens: int) -> int:

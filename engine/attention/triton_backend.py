@@ -69,8 +69,26 @@ class TritonAttentionBackend:
             )
         out = torch.empty_like(query)
         if meta.graph_prefills:
-            return self._graphed_mixed_step(query, kv_cache, meta, scale, out)
-        decodes = meta.num_decodes
+            # A step with prompt chunks replayed from a graph: grids fixed at capture, over every row
+            # the step may decode and graph_prefills chunks; the step buffers say which are real.
+            assert meta.decode_seq_lens is not None and meta.prefill_query_start_loc is not None
+            assert meta.prefill_seq_lens is not None and meta.prefill_block_tables is not None
+            decodes, decode_lens = meta.graph_decodes, meta.decode_seq_lens
+            chunk_tables, chunk_starts, chunk_lens = (
+                meta.prefill_block_tables,
+                meta.prefill_query_start_loc,
+                meta.prefill_seq_lens,
+            )
+            longest_chunk = query.shape[0]
+        else:
+            decodes, decode_lens = meta.num_decodes, meta.seq_lens
+            # The prefill sequences' offsets index the whole query: only their rows are computed.
+            chunk_tables, chunk_starts, chunk_lens = (
+                meta.block_tables[decodes:],
+                meta.query_start_loc[decodes:],
+                meta.seq_lens[decodes:],
+            )
+            longest_chunk = meta.max_prefill_len if decodes < meta.num_seqs else 0
         if decodes:
             # A pure function of the batch size and the longest context: fixed per captured graph, and
             # chosen once a step (every layer has the same shapes).
@@ -84,68 +102,24 @@ class TritonAttentionBackend:
                 kv_cache[0],
                 kv_cache[1],
                 meta.block_tables,
-                meta.seq_lens,
+                decode_lens,
                 scale,
                 num_splits,
                 out=out[:decodes],
                 check=False,
             )
-        if decodes < meta.num_seqs:
-            # The prefill sequences' offsets index the whole query: only their rows are computed.
+        if longest_chunk:
+            # After the decodes: in a graph, their zero rows past the step's decodes are prompt tokens.
             paged_prefill_attention(
                 query,
                 kv_cache[0],
                 kv_cache[1],
-                meta.block_tables[decodes:],
-                meta.query_start_loc[decodes:],
-                meta.seq_lens[decodes:],
+                chunk_tables,
+                chunk_starts,
+                chunk_lens,
                 scale,
-                meta.max_prefill_len,
+                longest_chunk,
                 out=out,
                 check=False,
             )
-        return out
-
-    def _graphed_mixed_step(
-        self,
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        out: torch.Tensor,
-    ) -> torch.Tensor:
-        """Decodes and prompt chunks over grids fixed by the graph: every launch reads the step from
-        the step buffers (device), none from the host."""
-        assert meta.decode_seq_lens is not None and meta.prefill_query_start_loc is not None
-        assert meta.prefill_seq_lens is not None and meta.prefill_block_tables is not None
-        rows = meta.graph_decodes
-        num_splits = meta.decode_splits
-        if not num_splits:
-            num_splits = meta.decode_splits = choose_num_splits(
-                rows, kv_cache.shape[3], meta.max_decode_len, _num_sms(query.device.index)
-            )
-        paged_decode_attention(
-            query[:rows],
-            kv_cache[0],
-            kv_cache[1],
-            meta.block_tables[:rows],
-            meta.decode_seq_lens[:rows],
-            scale,
-            num_splits,
-            out=out[:rows],
-            check=False,
-        )
-        # After the decodes: their zero rows past the step's decodes are prompt tokens, written here.
-        paged_prefill_attention(
-            query,
-            kv_cache[0],
-            kv_cache[1],
-            meta.prefill_block_tables,
-            meta.prefill_query_start_loc,
-            meta.prefill_seq_lens,
-            scale,
-            query.shape[0],
-            out=out,
-            check=False,
-        )
         return out
