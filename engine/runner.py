@@ -384,15 +384,12 @@ class ModelRunner:
         )
 
     def _pad(self, n: int, size: int) -> None:
-        """Rows n..size-1 of a padded decode batch: no context, KV write skipped."""
-        buffers = self.buffers
-        buffers.host_input_ids[n:size] = 0
-        buffers.host_positions[n:size] = 0
-        buffers.host_slot_mapping[n:size] = -1
-        buffers.host_seq_lens[n:size] = 0
+        """Rows n..size-1 of a padded decode batch (one token a sequence): no context, KV write skipped."""
+        self._pad_tokens(n, size)
+        self.buffers.host_seq_lens[n:size] = 0
 
     def _pad_tokens(self, num_tokens: int, size: int) -> None:
-        """Token rows num_tokens..size-1 of a padded mixed step: in no sequence, KV write skipped."""
+        """Token rows num_tokens..size-1 of a padded step: token 0 at position 0, KV write skipped."""
         buffers = self.buffers
         buffers.host_input_ids[num_tokens:size] = 0
         buffers.host_positions[num_tokens:size] = 0
