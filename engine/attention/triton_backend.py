@@ -13,22 +13,14 @@ without a GPU.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from engine.attention.metadata import AttentionMetadata, RotaryInputs
+from engine.kernels.ceilings import num_sms
 from engine.kernels.decode_attention import choose_num_splits, paged_decode_attention
 from engine.kernels.kv_cache import store_kv
 from engine.kernels.prefill_attention import paged_prefill_attention
 from engine.kernels.rotary import rotary_store_kv
-
-
-@functools.cache
-def _num_sms(device_index: int | None) -> int:
-    if not torch.cuda.is_available():
-        return 132
-    return torch.cuda.get_device_properties(device_index or 0).multi_processor_count
 
 
 class TritonAttentionBackend:
@@ -95,7 +87,7 @@ class TritonAttentionBackend:
             num_splits = meta.decode_splits
             if not num_splits:
                 num_splits = meta.decode_splits = choose_num_splits(
-                    decodes, key.shape[1], meta.max_decode_len, _num_sms(query.device.index)
+                    decodes, key.shape[1], meta.max_decode_len, num_sms(query.device.index)
                 )
             paged_decode_attention(
                 query[:decodes],

@@ -7,6 +7,8 @@ their figures as fractions of these, so a reader sees how far each is from the l
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from engine.kernels.timing import eager_ms
@@ -26,3 +28,12 @@ def matmul_tflops(device: torch.device, size: int = 8192) -> float:
     b = torch.randn(size, size, dtype=torch.bfloat16, device=device)
     milliseconds = eager_ms(lambda: a @ b, repeats=10)
     return 2 * size**3 / (milliseconds / 1e3) / 1e12
+
+
+@functools.cache
+def num_sms(device_index: int | None) -> int:
+    """Streaming multiprocessors of a CUDA device (the H200's 132 where there is none: interpreter runs
+    then size their grids as the device would)."""
+    if not torch.cuda.is_available():
+        return 132
+    return torch.cuda.get_device_properties(device_index or 0).multi_processor_count

@@ -17,7 +17,6 @@ from `python -m engine.kernels.bench_gemv --sweep` on the H200 (see `choose_conf
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
@@ -26,6 +25,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.activation import silu_mul
+from engine.kernels.ceilings import num_sms
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_ROWS = 16  # x rows one program covers: the smallest tensor-core tile
@@ -124,11 +124,6 @@ def _gemv_kernel(
             tl.atomic_xchg(counter_ptr + tile, 0)
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 # Measured on the H200 (bf16, `bench_gemv --sweep`, weights read from HBM as in a step), keyed by
 # (N, K, silu_mul_input): the best tiles where they beat cuBLAS at 1-4 rows, None where cuBLAS is as fast
 # or faster. Shapes not listed are not measured: the model leaves them to cuBLAS (`wins`).
@@ -201,7 +196,7 @@ def gemv(
     device_index = x.device.index or 0
     if config is None:
         # The interpreter runs programs one after another: on CPU, no split.
-        config = choose_config(n, k, silu_mul_input, _num_sms(device_index) if x.is_cuda else 1)
+        config = choose_config(n, k, silu_mul_input, num_sms(device_index) if x.is_cuda else 1)
     block_k = config.block_k
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)  # no program without K to cover
