@@ -11,8 +11,9 @@ public API only, and changes nothing.
 
 `--prefill-chunk N` makes every timed step a mixed one, as under load: besides the batch's decodes
 it carries a new prompt of N tokens (one request a step, generating one token, so the decode batch
-stays the same). Mixed steps run eagerly, not as a CUDA graph; their GPU-busy fraction and launches
-per step say whether such a step waits on the host's launches or on the GPU.
+stays the same). Mixed steps of up to `--mixed-graph-max-tokens` tokens replay a CUDA graph, as in
+the server (0: eager); their GPU-busy fraction and launches per step say whether such a step waits on
+the host's launches or on the GPU, and the top operators where the GPU's time goes.
 """
 
 from __future__ import annotations
