@@ -14,9 +14,9 @@ import math
 import multiprocessing as mp
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from tqdm import tqdm
 
@@ -31,6 +31,8 @@ from bench.metrics import (
 )
 from bench.selfcheck import ClientLoad, ClientMonitor
 from bench.workload import Arrival, Request, WorkloadSpec, arrival_offsets, make_request
+
+T = TypeVar("T")
 
 SEND_LAG_WARN_S = 0.010
 # A closed loop that runs for a duration sends an unknown number of requests: text prompts (costly to
@@ -280,7 +282,7 @@ def _run_level(
                 now = time.monotonic()
                 return (now if clock_zero is None else clock_zero), now
 
-            rows, client_load = asyncio.run(
+            rows, client_load = _run_client(
                 _drive(endpoint, workload, level, load.warmup, shares[0], deadline_s, bar.update, start_now)
             )
             loads = [client_load]
@@ -316,6 +318,23 @@ def _run_level(
     for note in notes:
         print(f"warning: {note}", file=sys.stderr)
     return LevelResult(summary, rows, notes)
+
+
+def _run_client(main: Coroutine[Any, Any, T]) -> T:
+    """asyncio.run for a level's client, quiet about interrupts. Ctrl-C, or SIGTERM where the perf tier
+    turns it into one (bench.launch.stop_servers_on_sigterm), raises in whichever task runs at that
+    moment; the interrupt then ends the run once, through the callers' `finally` blocks, but a task
+    left holding it (the client awaiting a request's writer on its way out) would also be reported
+    when collected, "Task exception was never retrieved" with a traceback that reads like a crash
+    after the run's own summary."""
+    with asyncio.Runner() as runner:
+        runner.get_loop().set_exception_handler(_ignore_interrupts)
+        return runner.run(main)
+
+
+def _ignore_interrupts(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    if not isinstance(context.get("exception"), KeyboardInterrupt | SystemExit):
+        loop.default_exception_handler(context)
 
 
 async def _drive(
@@ -477,7 +496,7 @@ def _worker_main(
         return zero.value, start_at.value
 
     try:
-        rows, load = asyncio.run(
+        rows, load = _run_client(
             _drive(endpoint, workload, level, warmup, share, deadline_s, count, wait_for_go)
         )
         results.put((rows, load, None))
