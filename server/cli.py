@@ -48,7 +48,7 @@ ENGINE_FLAGS: tuple[tuple[str, str, type, str], ...] = (
         "--mixed-graph-max-tokens",
         "mixed_graph_max_tokens",
         int,
-        "steps with prompt chunks, up to this many tokens, replay CUDA graphs (0: eager; default 4096)",
+        f"steps with prompt chunks, up to this many tokens, replay CUDA graphs (0: eager; default {EngineArgs.mixed_graph_max_tokens})",
     ),
 )
 API_KEY_ENV = "PAGED_ENGINE_API_KEY"
