@@ -32,7 +32,9 @@ class FakeServerConfig:
     later and each next chunk `itl_s` after the one before (on an absolute schedule, so sleeps do not
     drift); each chunk carries `tokens_per_chunk` tokens. Every `fail_every`-th request (1-based
     count of arrivals; 0 = never) gets HTTP 500; every `cut_every`-th ends cleanly after half its
-    tokens. `buffered` sends the whole stream in one piece at the end, like a buffering proxy.
+    tokens; every `silent_every`-th streams its tokens as empty text, as a server does for tokens
+    that decode to nothing (special tokens it skips). `buffered` sends the whole stream in one piece
+    at the end, like a buffering proxy.
     `keep_alive_s`: how long an idle connection stays open (uvicorn's default, as vLLM's server).
 
     The waits are asyncio sleeps, and the event loop waits on epoll in whole milliseconds, so a chunk
@@ -47,6 +49,7 @@ class FakeServerConfig:
     tokens_per_chunk: int = 1
     fail_every: int = 0
     cut_every: int = 0
+    silent_every: int = 0
     buffered: bool = False
     send_usage: bool = True
     model: str = "fake-model"
@@ -117,6 +120,7 @@ async def _events(
     """A completion's chunks, or a chat completion's as this project's server sends them: the role
     alone at once, then one content delta per chunk, then an empty delta with the finish reason."""
     kind = "chat.completion.chunk" if chat else "text_completion"
+    silent = config.silent_every > 0 and number % config.silent_every == 0
     if chat:
         role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
         yield _chunk(number, kind, config.model, role)
@@ -130,7 +134,7 @@ async def _events(
             if delay > 0:
                 await asyncio.sleep(delay)
             count = min(config.tokens_per_chunk, budget - sent)
-            text = " x" * count
+            text = "" if silent else " x" * count
             content = {"delta": {"content": text}} if chat else {"text": text}
             yield _chunk(number, kind, config.model, {"index": 0, **content, "finish_reason": None})
             sent += count

@@ -179,6 +179,9 @@ def summarize(rows: Sequence[RequestRow], slo: Slo = Slo()) -> dict[str, float |
     - served_req_s = ok requests / duration_s; output_tok_s = their output tokens / duration_s
     - goodput_req_s = ok requests meeting the SLO / duration_s
     - ttft, e2e, tpot: over ok requests; itl: over every gap of every ok request, pooled
+    - no_text: ok requests whose stream brought no output the client could time (a chat stream of
+      tokens that all decode to nothing, e.g. special tokens the server skips): their tokens count in
+      output_tok_s and e2e, but they have no TTFT or TPOT and are left out of those figures
     - send_lag_p99_s: over all requests; failures = requests whose status is not ok
     """
     measured = [row for row in rows if not row.warmup]
@@ -196,8 +199,10 @@ def summarize(rows: Sequence[RequestRow], slo: Slo = Slo()) -> dict[str, float |
     summary["served_req_s"] = rate(len(ok)) if ok else 0.0
     summary["output_tok_s"] = rate(sum(row.output_tokens for row in ok)) if ok else 0.0
     summary["goodput_req_s"] = rate(sum(slo.met_by(row) for row in ok)) if ok else 0.0
+    timed = [row for row in ok if row.first_token_s is not None]
+    summary["no_text"] = len(ok) - len(timed)
     samples = {
-        "ttft": [row.ttft_s for row in ok],
+        "ttft": [row.ttft_s for row in timed],
         "itl": [gap for row in ok for gap in row.itls_s],
         "tpot": [row.tpot_s for row in ok if not math.isnan(row.tpot_s)],
         "e2e": [row.e2e_s for row in ok],

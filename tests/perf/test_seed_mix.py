@@ -68,14 +68,19 @@ def test_open_loop_sweep(benchmark, server, target, mode, workload, profile, swe
 def test_closed_loop(benchmark, server, target, mode, workload, profile, concurrency, perf, recorder):
     trials = []
     failed: list[str] = []
-    miscounted: list[str] = []
+    noted: list[str] = []
 
     def trial() -> None:
         result = run_closed_loop(server.endpoint, workload, concurrency, profile.closed_load)
         failed.extend(describe_failures(result.rows))
         trials.append({"concurrency": concurrency, **{k: result.summary[k] for k in CLOSED_LOOP_KEYS}})
         if result.summary.get("prompt_tokens_mismatched"):
-            miscounted.append(prompt_tokens_note(result.summary))
+            noted.append(prompt_tokens_note(result.summary))
+        if result.summary.get("no_text"):
+            noted.append(
+                f"{result.summary['no_text']} of {result.summary['completed']} streams brought tokens but "
+                "no text (all decoded to nothing): counted in tokens/s, left out of TTFT and TPOT"
+            )
 
     benchmark.pedantic(trial, rounds=perf.trials, iterations=1)
     record = recorder.record(target, mode)
@@ -85,7 +90,7 @@ def test_closed_loop(benchmark, server, target, mode, workload, profile, concurr
         folded, target=target, sampling=record.header["sampling"], mode=mode, case="closed_loop"
     )
     record.notes.extend(f"failed requests, concurrency {concurrency}: {line}" for line in failed)
-    record.notes.extend(f"concurrency {concurrency}: {line}" for line in miscounted)
+    record.notes.extend(f"concurrency {concurrency}: {line}" for line in noted)
     assert folded["failures_max"] == 0, (
         f"{folded['failures_max']:g} requests failed at concurrency {concurrency}:\n" + "\n".join(failed)
     )

@@ -79,6 +79,22 @@ def test_chat_against_the_fake_server_times_the_first_content(tiny_model_dir):
     assert summary["itl_p50_s"] == pytest.approx(ITL, abs=0.005)
 
 
+def test_a_chat_stream_with_no_text_counts_its_tokens_but_has_no_ttft(tiny_model_dir):
+    """A random-weight model can generate only tokens the server decodes to nothing (special tokens it
+    skips): that stream's chunks carry empty content, so nothing arrives to time. The level still
+    counts its tokens and sums up (it raised on the NaN TTFT before), and says how many there were."""
+    workload = chat_workload(tiny_model_dir, kind="fixed", input_len=32, output_len=TOKENS)
+    with FakeServerThread(FakeServerConfig(ttft_s=TTFT, itl_s=ITL, silent_every=2)) as fake:
+        endpoint = Endpoint(fake.base_url, "fake-model", target="fake")
+        result = run_closed_loop(endpoint, workload, 2, LoadConfig(n_requests=6, progress=False))
+    summary = result.summary
+    silent = [row for row in result.rows if row.first_token_s is None]
+    assert len(silent) == 3 and all(row.ok and row.output_tokens == TOKENS for row in silent)
+    assert (summary["failures"], summary["completed"], summary["no_text"]) == (0, 6, 3)
+    assert summary["ttft_p50_s"] >= TTFT and summary["tpot_p50_s"] == pytest.approx(ITL, abs=0.005)
+    assert summary["output_tok_s"] == pytest.approx(6 * TOKENS / summary["duration_s"])
+
+
 def test_chat_against_the_server_with_the_tiny_model(tiny_model_dir, tmp_path):
     spec = ServerSpec.for_target("engine", str(tiny_model_dir), "float32")
     with ServerProcess(spec, tmp_path / "server.log") as process:
