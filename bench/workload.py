@@ -276,6 +276,9 @@ def _text_request(spec: WorkloadSpec, index: int) -> Request:
     overhead = chat_overhead(spec.tokenizer) if spec.api == "chat" else 0
     content = max(1, prompt_len - overhead)
     made = text_prompt(load_tokenizer(spec.tokenizer), token_ids[:content], content, rng, spec.token_range)
+    # A chat prompt shorter than its template (the seed-mix's 16 tokens against ChatML's ~19) cannot
+    # be made: it goes out as the template around one token, and is counted at that length.
+    prompt_len = max(prompt_len, overhead + made.tokens)
     return Request(index, made.text, prompt_len, max_tokens, spec.temperature, spec.top_p, spec.api)
 
 

@@ -64,6 +64,20 @@ def test_a_chat_workload_sends_text_sized_to_the_templated_prompt(tiny_model_dir
     assert len(tokenizer.encode(rendered, add_special_tokens=False)) == 100
 
 
+def test_a_chat_prompt_shorter_than_its_template_is_counted_at_the_length_sent(tiny_model_dir):
+    """The seed-mix asks for 16-token prompts, fewer than ChatML's markers alone: the request goes out
+    as the template around one token, and its prompt_len says so (the server's usage then agrees)."""
+    from bench.prompts import chat_overhead, load_tokenizer
+
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    overhead = chat_overhead(str(tiny_model_dir))
+    request = make_request(chat_workload(tiny_model_dir, kind="fixed", input_len=overhead - 2), 0)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": request.prompt}], tokenize=False, add_generation_prompt=True
+    )
+    assert request.prompt_len == len(tokenizer.encode(rendered, add_special_tokens=False)) == overhead + 1
+
+
 def test_chat_against_the_fake_server_times_the_first_content(tiny_model_dir):
     """The fake server sends the role chunk at once and the first content TTFT later: TTFT must be
     the content's, and the role and finish chunks no arrivals."""
