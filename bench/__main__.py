@@ -46,6 +46,7 @@ from bench.profiles import PROFILES
 from bench.report import write_report
 from bench.results import json_safe, write_run
 from bench.runner import LoadConfig, SweepConfig
+from bench.server_cpu import run as run_server_cpu
 from bench.suite import RunConfig, run_benchmark
 from bench.trials import merge_summaries
 from bench.workload import WorkloadSpec
@@ -403,10 +404,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     host_cost = commands.add_parser(
         "host-cost",
-        help="the server's host CPU per streamed token, the model replaced by a constant token (no GPU)",
-        description="Starts this project's server on CPU with each step's tokens a constant instead of the "
-        "model's, keeps --concurrency streams going with bench's client, and reports the server process's "
-        "CPU time per streamed token and the output tokens/s it sustained (bench/host_cost.py).",
+        help="a server's host CPU per output token: this project's with the model replaced by a constant "
+        "token (--model, no GPU), or any running server's whole process tree (--server-info)",
+        description="With --model: starts this project's server on CPU with each step's tokens a constant "
+        "instead of the model's, keeps --concurrency streams going with bench's client, and reports the "
+        "server's CPU time per streamed token and the output tokens/s it sustained (bench/host_cost.py). "
+        "With --server-info FILE (from `bench serve --info`, either target): sends one closed loop to that "
+        "running server and reports the CPU-seconds its whole process tree spent per 1,000 output tokens, "
+        "process by process (bench/server_cpu.py).",
     )
     add_host_cost_arguments(host_cost)
 
@@ -680,6 +685,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "fidelity-summary":
         return command_fidelity(args, parser)
     if args.command == "host-cost":
+        if args.server_info:
+            return run_server_cpu(args)
+        if not args.model:
+            parser.error("host-cost needs --model (this project's server, model taken out) or --server-info")
         return run_host_cost(args)
     if args.command == "report":
         print(f"wrote {write_report(args.results, args.out)}")

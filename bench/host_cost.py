@@ -124,18 +124,47 @@ def child_pids(pid: int) -> list[int]:
     return children
 
 
-def process_tree_cpu_seconds(pid: int) -> float:
-    """CPU seconds of a process and every live descendant: the server's API process and its engine
-    core's process together (a core that busy-polls counts what it burns)."""
-    total, todo = 0.0, [pid]
+COMMAND_CHARS = 120  # of a process's command line, enough to tell an API process from a core
+
+
+@dataclass(frozen=True)
+class ProcessCpu:
+    """One process of a server's tree: its CPU seconds (user + system) and what it runs."""
+
+    pid: int
+    command: str
+    cpu_s: float
+
+
+def process_tree(pid: int) -> dict[int, ProcessCpu]:
+    """Every live process of the tree rooted at `pid` (itself included), by pid; empty once it is gone."""
+    found: dict[int, ProcessCpu] = {}
+    todo = [pid]
     while todo:
         current = todo.pop()
         try:
-            total += process_cpu_seconds(current)
+            cpu_s = process_cpu_seconds(current)
         except OSError:
             continue
+        found[current] = ProcessCpu(current, _command(current), cpu_s)
         todo.extend(child_pids(current))
-    return total
+    return found
+
+
+def _command(pid: int) -> str:
+    """The command line (arguments joined by spaces), or the short name where it is empty."""
+    try:
+        argv = (PROC / str(pid) / "cmdline").read_bytes().split(b"\0")
+        line = " ".join(part.decode(errors="replace") for part in argv if part)
+        return (line or (PROC / str(pid) / "comm").read_text().strip())[:COMMAND_CHARS]
+    except OSError:
+        return "?"
+
+
+def process_tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of a process and every live descendant: the server's API process and its engine
+    core's process together (a core that busy-polls counts what it burns)."""
+    return sum(process.cpu_s for process in process_tree(pid).values())
 
 
 def replace_the_model_with_a_constant_token() -> None:
@@ -294,13 +323,29 @@ def _stack(log: str) -> tuple[str, str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = HostCostConfig(model="")
-    parser.add_argument("--model", required=True, help="model folder (its tokenizer and config are used)")
+    parser.add_argument("--model", help="model folder (its tokenizer and config are used)")
+    parser.add_argument(
+        "--server-info",
+        action="append",
+        default=[],
+        help="measure this running server instead (a `bench serve --info` file; repeat for several, "
+        "measured in turn): its whole process tree's CPU per 1,000 output tokens (bench/server_cpu.py)",
+    )
+    parser.add_argument(
+        "--prompt-format",
+        choices=["token-ids", "text"],
+        default="token-ids",
+        help="with --server-info: send token ids, or text of --input-len tokens made with the server's "
+        "tokenizer (its tokenizing then counts)",
+    )
     parser.add_argument("--concurrency", type=int, default=defaults.concurrency, help="streams in flight")
     parser.add_argument("--requests", type=int, default=defaults.requests, help="requests measured")
     parser.add_argument("--input-len", type=int, default=defaults.input_len, help="prompt tokens")
     parser.add_argument("--output-len", type=int, default=defaults.output_len, help="tokens streamed each")
     parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
-    parser.add_argument("--out", help="write the figures here (JSON); the server log goes beside it")
+    parser.add_argument(
+        "--out", help="write the figures here (JSON); with --model, the server's log goes beside it"
+    )
 
 
 def measure_engine_only(config: HostCostConfig) -> dict[str, float]:
