@@ -7,9 +7,9 @@ with one tool: each server described by `python -m bench serve --info FILE` is w
 closed loop of `--requests` requests at `--concurrency` is sent while the CPU time of the described
 process and every live descendant (API processes, the engine core; vLLM's API server and EngineCore)
 is read from /proc before and after. A process that busy-polls counts what it burns; one that exits
-during the loop takes its CPU time with it. The servers are measured one after the other, never at
-once: start one, measure it, stop it, then the next (`--server-info` takes several only to put them
-in one report).
+during the loop takes its CPU time with it. Several descriptions are measured one after the other
+into one report, but their servers are then all up and share the GPU's memory and the host: for
+figures, measure one server a command, stopping it before the next starts.
 
 The figure, CPU-seconds per 1,000 output tokens, is what serving costs the host beside the GPU: on a
 host with few cores, or at a concurrency where the API side saturates a core, it is what caps tokens/s.
