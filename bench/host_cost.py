@@ -124,7 +124,7 @@ def child_pids(pid: int) -> list[int]:
     return children
 
 
-COMMAND_CHARS = 120  # of a process's command line, enough to tell an API process from a core
+COMMAND_CHARS = 120  # of a process's command line kept in a reading of its tree
 
 
 @dataclass(frozen=True)
@@ -132,6 +132,7 @@ class ProcessCpu:
     """One process of a server's tree: its CPU seconds (user + system) and what it runs."""
 
     pid: int
+    name: str  # /proc/PID/comm: what ps shows (this project's core names itself engine-core)
     command: str
     cpu_s: float
 
@@ -146,19 +147,25 @@ def process_tree(pid: int) -> dict[int, ProcessCpu]:
             cpu_s = process_cpu_seconds(current)
         except OSError:
             continue
-        found[current] = ProcessCpu(current, _command(current), cpu_s)
+        found[current] = ProcessCpu(current, _name(current), _command(current), cpu_s)
         todo.extend(child_pids(current))
     return found
 
 
-def _command(pid: int) -> str:
-    """The command line (arguments joined by spaces), or the short name where it is empty."""
+def _name(pid: int) -> str:
     try:
-        argv = (PROC / str(pid) / "cmdline").read_bytes().split(b"\0")
-        line = " ".join(part.decode(errors="replace") for part in argv if part)
-        return (line or (PROC / str(pid) / "comm").read_text().strip())[:COMMAND_CHARS]
+        return (PROC / str(pid) / "comm").read_text().strip()
     except OSError:
         return "?"
+
+
+def _command(pid: int) -> str:
+    """The command line, arguments joined by spaces (empty for a kernel thread)."""
+    try:
+        argv = (PROC / str(pid) / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "?"
+    return " ".join(part.decode(errors="replace") for part in argv if part)[:COMMAND_CHARS]
 
 
 def process_tree_cpu_seconds(pid: int) -> float:

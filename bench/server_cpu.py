@@ -38,7 +38,7 @@ def tree_delta(before: dict[int, ProcessCpu], after: dict[int, ProcessCpu]) -> l
     """Each process's CPU seconds between two readings of one tree, largest first; a process that
     appeared in between counts from zero, one that is gone by `after` is left out."""
     spent = [
-        ProcessCpu(pid, now.command, now.cpu_s - (before[pid].cpu_s if pid in before else 0.0))
+        ProcessCpu(pid, now.name, now.command, now.cpu_s - (before[pid].cpu_s if pid in before else 0.0))
         for pid, now in after.items()
     ]
     return sorted(spent, key=lambda process: process.cpu_s, reverse=True)
@@ -131,6 +131,12 @@ def run_servers(info_paths: list[str], config: TreeCostConfig, out: Path | None)
             f"processes ({server['server_cores']:.2f} cores), {server['output_tok_s']:,.0f} output tok/s at "
             f"{config.concurrency} in flight; {server['completed']} requests, {server['failures']} failed"
         )
+        if per_1000 is not None:
+            shares = (
+                f"{entry['name']} (pid {entry['pid']}) {entry['cpu_s'] / server['output_tokens'] * 1000:.3f}"
+                for entry in server["processes"]
+            )
+            print("  by process: " + ", ".join(shares))
     by_target = {server["target"]: server for server in servers}
     if {"engine", "vllm"} <= set(by_target) and all(
         by_target[target]["server_cpu_s_per_1000_tokens"] for target in ("engine", "vllm")

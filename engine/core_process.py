@@ -259,6 +259,20 @@ class EngineCore:
 
 
 # -- the process ----------------------------------------------------------------------------------
+CORE_PROCESS_NAME = "engine-core"
+
+
+def name_this_process(name: str) -> None:
+    """Give this process a name that `ps`, `top` and /proc/PID/comm show (Linux, 15 characters at
+    most; elsewhere nothing). Spawned processes otherwise all read as `python3` with the same
+    multiprocessing command line, so the core could not be told from an API process by looking."""
+    try:
+        with open("/proc/self/comm", "w") as comm:
+            comm.write(name[:15])
+    except OSError:
+        pass
+
+
 def run_engine_core(
     args: EngineArgs,
     address: str,
@@ -267,6 +281,7 @@ def run_engine_core(
 ) -> None:
     """The core process's main: build the engine, report `CoreInfo` (or the error) on the lifeline,
     then loop until the lifeline closes."""
+    name_this_process(CORE_PROCESS_NAME)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [core pid=%(process)d]: %(message)s"
@@ -387,7 +402,7 @@ class CoreProcess:
         process = context.Process(
             target=run_engine_core,
             args=(args, address, theirs, setup),
-            name="engine-core",
+            name=CORE_PROCESS_NAME,
             daemon=True,
         )
         process.start()

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from engine.core_process import CoreProcess, RemoteCore
+from engine.core_process import CoreProcess, RemoteCore, name_this_process
 from server.metrics import ServerMetrics
 from server.serving import DRAIN, EXIT, ApiProcessServer, app_from_flags, uvicorn_config
 
@@ -192,6 +192,7 @@ def run_api_process(
 ) -> None:
     """The main of API process `index`: serve the app on the shared socket until told to drain or to
     exit, until the core dies (exit 1) or until the launcher goes away."""
+    name_this_process(f"api-server-{index}")
     for sig in _SIGNALS:
         signal.signal(sig, signal.SIG_IGN)  # the launcher decides, and says so over `control`
     logging.basicConfig(

@@ -45,6 +45,7 @@ def test_a_running_servers_whole_tree_is_measured_per_1000_tokens(running_server
     processes = server["processes"]
     assert len(processes) >= 2 and process.process.pid in {entry["pid"] for entry in processes}
     assert sum(entry["cpu_s"] > 0 for entry in processes) >= 2
+    assert [entry["cpu_s"] > 0 for entry in processes if entry["name"] == "engine-core"] == [True]
     assert server["server_cpu_s"] == pytest.approx(sum(entry["cpu_s"] for entry in processes))
     assert server["server_cpu_s_per_1000_tokens"] == pytest.approx(server["server_cpu_s"] / 96 * 1000)
     assert "CPU-s per 1,000 output tokens" in capsys.readouterr().out
@@ -100,6 +101,6 @@ def test_a_tree_reading_includes_children_and_the_delta_counts_new_processes_fro
                 os.kill(pid, signal.SIGKILL)
         parent.kill()
         parent.wait()
-    before = {1: ProcessCpu(1, "a", 1.0), 2: ProcessCpu(2, "gone", 5.0)}
-    after = {1: ProcessCpu(1, "a", 1.5), 3: ProcessCpu(3, "new", 2.0)}
-    assert tree_delta(before, after) == [ProcessCpu(3, "new", 2.0), ProcessCpu(1, "a", 0.5)]
+    before = {1: ProcessCpu(1, "a", "a", 1.0), 2: ProcessCpu(2, "gone", "gone", 5.0)}
+    after = {1: ProcessCpu(1, "a", "a", 1.5), 3: ProcessCpu(3, "new", "new", 2.0)}
+    assert tree_delta(before, after) == [ProcessCpu(3, "new", "new", 2.0), ProcessCpu(1, "a", "a", 0.5)]

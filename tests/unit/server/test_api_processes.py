@@ -34,6 +34,9 @@ def test_both_api_processes_accept_on_the_port(start_server: Callable[..., Serve
     server = start_server(*TWO)
     api_pids = server.api_pids()
     assert len(api_pids) == 2 and server.core_pid() not in api_pids
+    # each names itself, as ps and bench host-cost --server-info show it
+    names = {Path(f"/proc/{pid}/comm").read_text().strip() for pid in [*api_pids, server.core_pid()]}
+    assert names == {"api-server-0", "api-server-1", "engine-core"}
     before = {pid: socket_count(pid) for pid in api_pids}
     clients: list[httpx.Client] = []
     try:
