@@ -34,7 +34,7 @@ from bench.workload import Request, WorkloadSpec
 REPO = Path(__file__).resolve().parents[3]
 BUDGETS_FILE = REPO / "tests" / "perf" / "budgets.toml"
 # Keys of an offline entry that name or count what ran rather than measure it: no direction.
-IDENTITY_KEYS = {"mode", "concurrency", "n_requests", "completed", "duration_s", "steps", "trials"}
+IDENTITY_KEYS = {"mode", "concurrency", "n_requests", "completed", "no_text", "duration_s", "steps", "trials"}
 
 
 class PretendTarget:
