@@ -319,6 +319,20 @@ def merge_summaries(
         header=header,
         sweep_trials=sweep_trials,
         closed_trials=closed,
-        trials=sum(s["trials"] for s in summaries),
+        trials=_merged_trials(summaries, sweep_from is None),
         offline_trials=offline,
     )
+
+
+def _merged_trials(summaries: Sequence[Mapping[str, Any]], with_sweep: bool) -> int:
+    """The trials a merged summary holds: the most that any one of its figures pools. Runs that
+    measured different levels (one cut short, the rest measured in another) do not add up: three
+    trials of 1-128 in flight and three of 256 are three trials, not six."""
+    counts: dict[str, int] = {}
+    for summary in summaries:
+        parts = [f"closed {level.get('concurrency')}" for level in summary.get("closed_loop") or []]
+        parts += ["sweep"] if with_sweep and summary.get("capacity_req_s") is not None else []
+        parts += ["offline"] if summary.get("offline") else []
+        for part in parts or ["whole"]:
+            counts[part] = counts.get(part, 0) + summary["trials"]
+    return max(counts.values())

@@ -412,6 +412,23 @@ def test_summaries_of_several_trials_merge_by_pooling_every_trial():
         assert json.dumps(merge_summaries(singles)[key]) == json.dumps(at_once[key])
 
 
+def test_runs_of_different_levels_merge_into_as_many_trials_as_each_level_holds():
+    # Three trials cut short after 32 in flight, then the missing level's three trials in another run.
+    first = summarize_trials(
+        header={"target": "engine", "model": "m", "gpu": "NVIDIA H200", "workload": "seed-mix", "date": "a"},
+        sweep_trials=[],
+        closed_trials=[
+            [{"concurrency": c, "output_tok_s": t, "failures": 0} for c in (1, 32)] for t in (1.0, 2.0, 3.0)
+        ],
+        trials=3,
+    )
+    rest = dict(first, date="b", closed_loop=[dict(first["closed_loop"][1], concurrency=256)])
+    merged = merge_summaries([first, rest])
+    assert [level["concurrency"] for level in merged["closed_loop"]] == [1, 32, 256]
+    assert merged["trials"] == 3 and all(level["trials"] == 3 for level in merged["closed_loop"])
+    assert merge_summaries([first, dict(rest, closed_loop=first["closed_loop"])])["trials"] == 6
+
+
 def test_merge_refuses_mixed_inputs_and_figures_it_cannot_pool():
     other = dict(_one_trial(1.0, 1.0, "d"), target="engine")
     with pytest.raises(ValueError, match="target"):
