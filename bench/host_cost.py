@@ -36,6 +36,7 @@ from typing import Any
 from bench.client import Endpoint
 from bench.launch import ServerProcess, ServerSpec, free_port
 from bench.machine import describe_machine
+from bench.metrics import RequestRow
 from bench.probe import first_model
 from bench.runner import LoadConfig, run_closed_loop
 from bench.workload import WorkloadSpec
@@ -168,6 +169,46 @@ def _command(pid: int) -> str:
     return " ".join(part.decode(errors="replace") for part in argv if part)[:COMMAND_CHARS]
 
 
+def tree_delta(before: dict[int, ProcessCpu], after: dict[int, ProcessCpu]) -> list[ProcessCpu]:
+    """Each process's CPU seconds between two readings of one tree, largest first; a process that
+    appeared in between counts from zero, one that is gone by `after` is left out."""
+    spent = [
+        ProcessCpu(pid, now.name, now.command, now.cpu_s - (before[pid].cpu_s if pid in before else 0.0))
+        for pid, now in after.items()
+    ]
+    return sorted(spent, key=lambda process: process.cpu_s, reverse=True)
+
+
+@dataclass(frozen=True)
+class TreeLoop:
+    """One measured closed loop against a server and what its process tree spent over it."""
+
+    rows: list[RequestRow]  # the measured requests (no warm-up)
+    processes: list[ProcessCpu]  # tree_delta over the loop
+    wall_s: float
+
+    @property
+    def cpu_s(self) -> float:
+        return sum(process.cpu_s for process in self.processes)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(row.output_tokens for row in self.rows if row.ok)
+
+
+def measure_tree_loop(
+    endpoint: Endpoint, workload: WorkloadSpec, concurrency: int, requests: int, pid: int
+) -> TreeLoop:
+    """A warm-up of `concurrency` requests, then `requests` more at `concurrency` in flight, with the
+    tree of `pid` read before and after the measured ones: both host-cost modes measure this way."""
+    run_closed_loop(endpoint, workload, concurrency, LoadConfig(n_requests=concurrency, progress=False))
+    before, start = process_tree(pid), time.perf_counter()
+    level = run_closed_loop(endpoint, workload, concurrency, LoadConfig(n_requests=requests, progress=False))
+    after, wall_s = process_tree(pid), time.perf_counter() - start
+    rows = [row for row in level.rows if not row.warmup]
+    return TreeLoop(rows, tree_delta(before, after), wall_s)
+
+
 def process_tree_cpu_seconds(pid: int) -> float:
     """CPU seconds of a process and every live descendant: the server's API process and its engine
     core's process together (a core that busy-polls counts what it burns)."""
@@ -287,16 +328,8 @@ def measure(config: HostCostConfig, log_path: Path, http_only: bool = False) -> 
         assert server.process is not None
         endpoint = Endpoint(spec.base_url, model=first_model(spec.base_url))
         workload = WorkloadSpec(kind="fixed", input_len=config.input_len, output_len=config.output_len)
-        warm = LoadConfig(n_requests=config.concurrency, progress=False)
-        run_closed_loop(endpoint, workload, config.concurrency, warm)
-        before, start = process_tree_cpu_seconds(server.process.pid), time.perf_counter()
-        level = run_closed_loop(
-            endpoint, workload, config.concurrency, LoadConfig(n_requests=config.requests, progress=False)
-        )
-        cpu_s = process_tree_cpu_seconds(server.process.pid) - before
-        wall_s = time.perf_counter() - start
-    rows = [row for row in level.rows if not row.warmup]
-    tokens = sum(row.output_tokens for row in rows if row.ok)
+        loop = measure_tree_loop(endpoint, workload, config.concurrency, config.requests, server.process.pid)
+    rows, cpu_s, wall_s, tokens = loop.rows, loop.cpu_s, loop.wall_s, loop.output_tokens
     chunks = sum(row.chunks for row in rows if row.ok)
     stack = _stack(log_path.read_text())
     return {

@@ -20,28 +20,16 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from bench.client import Endpoint
-from bench.host_cost import ProcessCpu, process_tree
+from bench.host_cost import measure_tree_loop, process_tree
 from bench.launch import load_server_info
 from bench.machine import describe_machine
 from bench.probe import first_model
-from bench.runner import LoadConfig, run_closed_loop
 from bench.workload import PromptFormat, WorkloadSpec
-
-
-def tree_delta(before: dict[int, ProcessCpu], after: dict[int, ProcessCpu]) -> list[ProcessCpu]:
-    """Each process's CPU seconds between two readings of one tree, largest first; a process that
-    appeared in between counts from zero, one that is gone by `after` is left out."""
-    spent = [
-        ProcessCpu(pid, now.name, now.command, now.cpu_s - (before[pid].cpu_s if pid in before else 0.0))
-        for pid, now in after.items()
-    ]
-    return sorted(spent, key=lambda process: process.cpu_s, reverse=True)
 
 
 @dataclass(frozen=True)
@@ -72,18 +60,8 @@ def measure_server(info: dict[str, Any], config: TreeCostConfig) -> dict[str, An
         prompt_format=config.prompt_format,
         tokenizer=tokenizer,
     )
-    run_closed_loop(
-        endpoint, workload, config.concurrency, LoadConfig(n_requests=config.concurrency, progress=False)
-    )
-    before, start = process_tree(pid), time.perf_counter()
-    level = run_closed_loop(
-        endpoint, workload, config.concurrency, LoadConfig(n_requests=config.requests, progress=False)
-    )
-    after, wall_s = process_tree(pid), time.perf_counter() - start
-    processes = tree_delta(before, after)
-    rows = [row for row in level.rows if not row.warmup]
-    tokens = sum(row.output_tokens for row in rows if row.ok)
-    cpu_s = sum(process.cpu_s for process in processes)
+    loop = measure_tree_loop(endpoint, workload, config.concurrency, config.requests, pid)
+    rows, tokens, cpu_s, wall_s = loop.rows, loop.output_tokens, loop.cpu_s, loop.wall_s
     return {
         "target": info["target"],
         "base_url": base_url,
@@ -97,7 +75,7 @@ def measure_server(info: dict[str, Any], config: TreeCostConfig) -> dict[str, An
         "server_cpu_s": cpu_s,
         "server_cpu_s_per_1000_tokens": cpu_s / tokens * 1000 if tokens else None,
         "server_cores": cpu_s / wall_s,
-        "processes": [asdict(process) for process in processes],
+        "processes": [asdict(process) for process in loop.processes],
     }
 
 

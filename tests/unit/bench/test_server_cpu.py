@@ -14,9 +14,8 @@ import time
 import pytest
 
 from bench.__main__ import main
-from bench.host_cost import ProcessCpu, process_tree
+from bench.host_cost import ProcessCpu, process_tree, tree_delta
 from bench.launch import ServerProcess, ServerSpec
-from bench.server_cpu import tree_delta
 
 SERVER_START_DEADLINE_S = 120.0  # a deadline against a server that never gets ready, not a speed
 
