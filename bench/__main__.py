@@ -41,7 +41,7 @@ from bench.offline import (
     run_json,
     run_offline,
 )
-from bench.probe import first_model
+from bench.probe import ServerQueryError, first_model
 from bench.profiles import PROFILES
 from bench.report import write_report
 from bench.results import json_safe, write_run
@@ -672,6 +672,15 @@ def command_ab(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    try:
+        return dispatch(args, parser)
+    except ServerQueryError as exc:  # a server that is down or not OpenAI-shaped: one line, not a traceback
+        print(f"bench {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+def dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Run the parsed command; its exit status."""
     if args.command == "ab":
         return command_ab(args, parser)
     if args.command == "run":

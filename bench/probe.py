@@ -18,14 +18,30 @@ from bench.metrics import RequestRow
 from bench.workload import Request
 
 
+class ServerQueryError(RuntimeError):
+    """A question to the server went unanswered (refused, timed out, an error status, or a body that is
+    not the OpenAI list): the CLI says so in one line, with the URL asked, instead of a traceback."""
+
+
 def first_model(base_url: str, api_key: str | None = None, timeout_s: float = 30.0) -> str:
-    """The first id listed by `GET {base_url}/models`."""
+    """The first id listed by `GET {base_url}/models`; ServerQueryError when there is none to read."""
+    url = f"{base_url.rstrip('/')}/models"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    response = httpx.get(f"{base_url.rstrip('/')}/models", headers=headers, timeout=timeout_s)
-    response.raise_for_status()
-    models = response.json().get("data") or []
-    if not models:
-        raise RuntimeError(f"{base_url}/models lists no model; pass --model")
+    try:
+        response = httpx.get(url, headers=headers, timeout=timeout_s)
+        response.raise_for_status()
+        body = response.json()
+    except httpx.HTTPStatusError as exc:
+        raise ServerQueryError(
+            f"GET {url} answered {exc.response.status_code}: {exc.response.text[:200]}"
+        ) from exc
+    except httpx.HTTPError as exc:
+        raise ServerQueryError(f"GET {url} failed ({type(exc).__name__}: {exc}): is the server up?") from exc
+    except ValueError as exc:
+        raise ServerQueryError(f"GET {url} answered something other than JSON") from exc
+    models = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(models, list) or not models or not isinstance(models[0], dict) or "id" not in models[0]:
+        raise ServerQueryError(f"{url} lists no model; pass --model")
     return str(models[0]["id"])
 
 

@@ -3,9 +3,12 @@
 import argparse
 import copy
 import csv
+import http.server
 import json
+import socket
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -234,3 +237,52 @@ def test_sweep_flags_reach_the_sweep(monkeypatch):
     main([*argv, "--sweep-latency-multiple", "2.5", "--sweep-max-level-s", "30"])
     sweep = seen["config"].sweep
     assert (sweep.latency_multiple, sweep.max_level_s, sweep.start_rate) == (2.5, 30.0, 1.0)
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class _ModelsHandler(http.server.BaseHTTPRequestHandler):
+    """GET /v1/models answers what the test set on the server: (status, body)."""
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        status, body = self.server.answer
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize(
+    "answer, says",
+    [
+        (None, "is the server up?"),  # nothing listening
+        ((500, '{"error": "boom"}'), "answered 500"),
+        ((200, "<html>not json</html>"), "other than JSON"),
+        ((200, '{"object": "list", "data": []}'), "lists no model; pass --model"),
+    ],
+)
+def test_a_server_without_a_model_to_read_is_one_line_not_a_traceback(answer, says, capsys):
+    # `bench run` without --model asks GET /v1/models; a server that is down or answers nonsense used
+    # to end the command in an httpx traceback
+    if answer is None:
+        base_url = f"http://127.0.0.1:{_closed_port()}/v1"
+        assert main(["run", "--base-url", base_url, "--quiet"]) == 2
+    else:
+        with http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ModelsHandler) as server:
+            server.answer = answer
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+            base_url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+            try:
+                assert main(["run", "--base-url", base_url, "--quiet"]) == 2
+            finally:
+                server.shutdown()
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("bench run: ") and f"{base_url}/models" in err and says in err
+    assert "Traceback" not in err and len(err.splitlines()) == 1
