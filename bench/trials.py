@@ -271,7 +271,9 @@ def merge_summaries(
     (trial_values: a summary of three trials brings three values, not its median), so one run of
     three trials and another of two merge into five. Inputs must agree on target, model, GPU,
     workload and sampling mode (a greedy and a sampled trial are two workloads). The result says
-    what it came from: `merged_from` (each input's date) and `merged_trials` (each one's trials).
+    what it came from: `merged_from` (each input's date) and `merged_trials` (each one's trials); an
+    input merged before brings its own lists, so a stored reference re-merged with a new lease's trials
+    still names every lease it pools.
 
     sweep_from: take the open-loop sweep (and capacity) from these runs instead, and only the closed
     loops from `summaries`: for sweeps re-run on their own (`pytest -m perf -k sweep`), or kept from
@@ -308,8 +310,7 @@ def merge_summaries(
         for k, v in first.items()
         if k not in ("open_loop", "closed_loop", "offline", "trials") and not k.startswith("capacity_")
     }
-    header["merged_from"] = [s.get("date") for s in summaries]
-    header["merged_trials"] = [s["trials"] for s in summaries]
+    header["merged_from"], header["merged_trials"] = _provenance(summaries)
     if sweep_from is not None:
         header["sweep_from"] = [s.get("date") for s in sweep_from]
         header["sweep_trials"] = sum(t["trials"] for t in sweep_trials)
@@ -322,6 +323,21 @@ def merge_summaries(
         trials=_merged_trials(summaries, sweep_from is None),
         offline_trials=offline,
     )
+
+
+def _provenance(summaries: Sequence[Mapping[str, Any]]) -> tuple[list[Any], list[int]]:
+    """Each input run's date and trial count; a merged input stands for the runs it lists."""
+    dates: list[Any] = []
+    trials: list[int] = []
+    for summary in summaries:
+        listed, counts = summary.get("merged_from"), summary.get("merged_trials")
+        if isinstance(listed, list) and isinstance(counts, list) and len(listed) == len(counts) > 0:
+            dates += listed
+            trials += counts
+        else:
+            dates.append(summary.get("date"))
+            trials.append(summary["trials"])
+    return dates, trials
 
 
 def _merged_trials(summaries: Sequence[Mapping[str, Any]], with_sweep: bool) -> int:

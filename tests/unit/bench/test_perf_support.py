@@ -389,6 +389,10 @@ def test_summaries_of_several_trials_merge_by_pooling_every_trial():
     merged = merge_summaries([three, two])
     assert merged["trials"] == 5
     assert merged["merged_from"] == ["lease-1", "lease-2"] and merged["merged_trials"] == [3, 2]
+    # Merged again with a third lease's trial, the stored merge still names both of its leases.
+    again = merge_summaries([merged, _one_trial(62.0, 130.0, "lease-3")])
+    assert again["merged_from"] == ["lease-1", "lease-2", "lease-3"] and again["merged_trials"] == [3, 2, 1]
+    assert again["closed_loop"][0]["trials"] == 6
     level = merged["closed_loop"][0]
     assert level["trials"] == 5 and level["output_tok_s_trials"] == [100.0, 90.0, 101.0, 110.0, 120.0]
     assert (level["output_tok_s"], level["output_tok_s_min"], level["output_tok_s_max"]) == (
