@@ -342,13 +342,22 @@ def test_the_offline_budgets_follow_the_stored_same_lease_runs():
     prefill = min(e["probes"]["prefill_tok_s"] / v["probes"]["prefill_tok_s"] for e, v in runs)
     vllm = budgets["vllm"]
     assert vllm["offline_single_tpot_s"][ANY_LEVEL].value == pytest.approx(single * 1.15, abs=0.01)
-    # All at once and the prefill probe set no budget while every stored vLLM run is one whose engine
-    # was made without a usage context (2,048 tokens and 128 sequences a step, not vllm.LLM's): such a
-    # run's config does not record the limits in force, which the worker now writes.
+    # Those runs made vLLM's engine without a usage context (2,048 tokens and 128 sequences a step, not
+    # vllm.LLM's): their configs do not record the limits in force, which the worker now writes, and
+    # their all-at-once and prefill ratios (above 1) set nothing.
     targets = [json.loads((lease / "vllm-run.json").read_text())["worker"]["target"] for lease in leases]
     assert not any("max_num_seqs" in target["config"] for target in targets)
-    assert "offline_output_tok_s" not in vllm and "offline_prefill_tok_s" not in vllm
-    assert output > 1 and prefill > 1  # what those capped runs measured, kept in the file's comment
+    assert output > 1 and prefill > 1
+    # All at once and the prefill probe: 30 % past the lease whose vLLM ran at vllm.LLM's limits.
+    uncapped = REPO / "baselines" / "nvidia-h200" / "qwen2.5-1.5b" / "chat-offline-2026-12-05"
+    engine, reference = (
+        json.loads((uncapped / f"{t}-seed-mix.json").read_text()) for t in ("engine", "vllm")
+    )
+    config = reference["offline_target"]["config"]
+    assert (config["max_num_batched_tokens"], config["max_num_seqs"]) == (16384, 1024)
+    for metric, entry in (("output_tok_s", "all"), ("prefill_tok_s", "probes")):
+        ratio = engine["offline"][entry][metric] / reference["offline"][entry][metric]
+        assert vllm[f"offline_{metric}"][ANY_LEVEL].value == pytest.approx(ratio / 1.3, abs=0.01)
 
 
 def run_json(path: Path, section: dict, target: str) -> Path:
