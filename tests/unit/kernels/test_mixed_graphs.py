@@ -65,7 +65,9 @@ def _generate(model_dir, device, graphs: bool, prompts, max_num_seqs: int = 8):
             return batch
 
         runner.prepare = noted  # type: ignore[method-assign]
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    # 5 tokens: the steps with prompt chunks are the point; the decodes after them repeat one kernel
+    # shape, which the interpreter runs one program at a time
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     tokens = [o.token_ids for o in llm.generate(prompts, params)]
     assert llm.engine.stats().kv_blocks_used == 0
     return tokens, steps, runner
@@ -75,7 +77,7 @@ def test_padded_mixed_steps_through_the_graphs_attention_pick_the_plain_forward_
     tiny_model_dir, device
 ):
     rng = random.Random(3)
-    prompts = [[rng.randrange(100, 30000) for _ in range(n)] for n in (1, 5, 17, 40, 90, 130)]
+    prompts = [[rng.randrange(100, 30000) for _ in range(n)] for n in (1, 5, 17, 40, 90)]
     reference, _, _ = _generate(tiny_model_dir, device, False, prompts)
     tokens, steps, _ = _generate(tiny_model_dir, device, True, prompts)
     assert tokens == reference
