@@ -280,7 +280,10 @@ def run_engine_core(
     setup: Callable[[], None] | None = None,
 ) -> None:
     """The core process's main: build the engine, report `CoreInfo` (or the error) on the lifeline,
-    then loop until the lifeline closes."""
+    then loop until the lifeline closes. It then leaves by `os._exit`, without the interpreter's
+    teardown (freeing the KV cache and the model tensor by tensor, unloading torch: 0.8 s of a
+    CPU core's 0.9-s exit) that a process about to end does not need; its sockets are closed and
+    its log flushed first."""
     name_this_process(CORE_PROCESS_NAME)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
@@ -304,6 +307,8 @@ def run_engine_core(
     finally:
         socket.close()
         context.term()
+    logging.shutdown()
+    os._exit(0)
 
 
 def core_info(engine: LLMEngine) -> CoreInfo:
