@@ -115,7 +115,7 @@ def test_the_reviewed_budget_file_loads():
     vllm_output = budgets["vllm"]["output_tok_s"]
     assert set(vllm_output) == {"1", "8", "32", "128", "256"}
     assert len({budget.value for budget in vllm_output.values()}) == 5
-    rates = {"1", "2", "4", "8", "16", "32"}  # every swept rate under 0.8 x the engine's capacity
+    rates = {"1", "2", "4", "8", "16", "32", "64"}  # every swept rate under 0.8 x the engine's capacity
     assert set(budgets["vllm"]["ttft_p50_s"]) == set(budgets["vllm"]["tpot_p50_s"]) == rates
 
 
