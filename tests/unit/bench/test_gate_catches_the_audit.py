@@ -18,11 +18,14 @@ from bench.results import load_result
 
 REPO = Path(__file__).resolve().parents[3]
 STORED = REPO / "baselines" / "nvidia-h200" / "qwen2.5-1.5b"
+# The split server's sweep that the open-loop budgets were set from (an H100 lease, the slower host:
+# budgets.toml says why its figures, not the stored H200 engine's, pair with the stored vLLM one).
+SPLIT_SWEEP = REPO / "baselines" / "nvidia-h100-80gb-hbm3" / "qwen2.5-1.5b" / "sweep-2026-12-05"
 BUDGETS = load_budgets(REPO / "tests" / "perf" / "budgets.toml")["vllm"]
 
 
-def stored(target: str) -> dict:
-    return json.loads((STORED / f"{target}-seed-mix.json").read_text())
+def stored(target: str, folder: Path = STORED) -> dict:
+    return json.loads((folder / f"{target}-seed-mix.json").read_text())
 
 
 def scaled(summary: dict, section: str, key: str, value: float, metric: str, factor: float) -> dict:
@@ -64,37 +67,26 @@ def test_the_prompt_modes_stored_references_pass_their_budgets_and_a_30_percent_
         assert [c.failed for c in check_closed(int(level["concurrency"]), lost, vllm, budgets)] == [True]
 
 
-def split_server_sweep() -> dict:
-    """The split server's sweep that the open-loop budgets were set from (an H100 lease, the slower host:
-    budgets.toml says why its figures, not the stored H200 engine's, pair with the stored vLLM one)."""
-    path = REPO / "baselines" / "nvidia-h100-80gb-hbm3" / "qwen2.5-1.5b" / "sweep-2026-12-05"
-    return json.loads((path / "engine-seed-mix.json").read_text())
-
-
 def test_vllm_budgets_catch_capacity_and_low_rate_latency():
-    engine = split_server_sweep()
-    passed = check_sweep(engine["capacity_req_s"], engine["open_loop"], stored("vllm"), BUDGETS)
+    engine, vllm = stored("engine", SPLIT_SWEEP), stored("vllm")
+    rates = (1, 2, 4, 8, 16, 32, 64)  # every budgeted rate
+    passed = check_sweep(engine["capacity_req_s"], engine["open_loop"], vllm, BUDGETS)
     assert [(c.level, c.metric) for c in passed if c.failed] == []
-    assert len([c for c in passed if c.judged]) == 1 + 2 * 7  # capacity, TTFT and TPOT at 1 to 64 req/s
+    assert len([c for c in passed if c.judged]) == 1 + 2 * len(rates)  # capacity, TTFT and TPOT at each rate
     # the one-process server of 2026-12-01 (the stored H200 sweep) is below these budgets
     old = stored("engine")
-    assert any(
-        c.failed for c in check_sweep(old["capacity_req_s"], old["open_loop"], stored("vllm"), BUDGETS)
-    )
+    assert any(c.failed for c in check_sweep(old["capacity_req_s"], old["open_loop"], vllm, BUDGETS))
     # capacity -31 %
-    capacity = check_sweep(engine["capacity_req_s"] * 0.69, [], stored("vllm"), BUDGETS)
+    capacity = check_sweep(engine["capacity_req_s"] * 0.69, [], vllm, BUDGETS)
     assert [c.failed for c in capacity] == [True]
-    # TTFT p50 +56 % and TPOT p50 +37 % at every budgeted rate (1 to 64 req/s)
+    # TTFT p50 +56 % and TPOT p50 +37 % at every budgeted rate
     slower = copy.deepcopy(engine["open_loop"])
     for level in slower:
         level["ttft_p50_s"] *= 1.56
         level["tpot_p50_s"] *= 1.37
     failed = {
-        (c.level, c.metric)
-        for c in check_sweep(engine["capacity_req_s"], slower, stored("vllm"), BUDGETS)
-        if c.failed
+        (c.level, c.metric) for c in check_sweep(engine["capacity_req_s"], slower, vllm, BUDGETS) if c.failed
     }
-    rates = (1, 2, 4, 8, 16, 32, 64)
     assert {(f"rate {r}/s", "tpot_p50_s") for r in rates} <= failed
     assert {(f"rate {r}/s", "ttft_p50_s") for r in rates} <= failed
 
