@@ -109,6 +109,10 @@ class EngineArgs:
     # Steps with prompt chunks, up to this many tokens, replay CUDA graphs captured per token count
     # (engine.cuda_graphs); larger ones run eagerly. 0: never.
     mixed_graph_max_tokens: int = 4096
+    # Their token counts: this many graph sizes from each power of two to the next (engine.cuda_graphs
+    # .token_count_ladder). More: less padding a step (a step of 1,100 tokens pads to 1,280 with 4, to
+    # 1,152 with 8), more graphs to capture at start.
+    mixed_graph_ladder_steps: int = 4
     attention_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere), torch or triton
     # Share the KV of prompt prefixes earlier requests computed (block_allocator), as vLLM and SGLang
     # do by default.

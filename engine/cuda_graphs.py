@@ -35,16 +35,18 @@ def batch_size_ladder(max_batch: int) -> list[int]:
     return sizes
 
 
-def token_count_ladder(max_tokens: int, smallest: int = 16) -> list[int]:
-    """16, 32, 48, ..., then steps of a quarter of the last power of two (a padded step does at most a
-    quarter more matmul work than it needs): ..., 128, 160, ..., 256, 320, ..., 4096; up to
-    max_tokens (always included), ascending."""
+def token_count_ladder(max_tokens: int, smallest: int = 16, steps_per_doubling: int = 4) -> list[int]:
+    """16, 32, 48, ..., then `steps_per_doubling` sizes from each power of two to the next (4: a padded
+    step does at most a quarter more matmul work than it needs: ..., 128, 160, ..., 256, 320, ...,
+    4096; 8: an eighth, twice the graphs); up to max_tokens (always included), ascending."""
+    if steps_per_doubling < 1:
+        raise ValueError(f"steps_per_doubling must be >= 1, got {steps_per_doubling}")
     sizes = []
     size = smallest
     while size < max_tokens:
         sizes.append(size)
         power = 1 << (size.bit_length() - 1)
-        size += max(smallest, power // 4)
+        size += max(smallest, power // steps_per_doubling)
     sizes.append(max_tokens)
     return sizes
 

@@ -118,6 +118,10 @@ class LLMEngine:
             raise ValueError(
                 f"mixed_graph_max_tokens must be >= 0 (0: no mixed-step graphs), got {args.mixed_graph_max_tokens}"
             )
+        if args.mixed_graph_ladder_steps < 1:
+            raise ValueError(
+                f"mixed_graph_ladder_steps must be >= 1 (graph sizes a doubling of the token count), got {args.mixed_graph_ladder_steps}"
+            )
         torch.manual_seed(args.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(args.model)
         self.validator = RequestValidator(self.tokenizer, self.model_config.vocab_size, self.max_model_len)
@@ -134,6 +138,7 @@ class LLMEngine:
                 attention_backend=args.attention_backend,
                 enforce_eager=args.enforce_eager,
                 mixed_graph_max_tokens=args.mixed_graph_max_tokens,
+                mixed_graph_ladder_steps=args.mixed_graph_ladder_steps,
                 seed=args.seed,
             ),
         )

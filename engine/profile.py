@@ -307,6 +307,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=EngineArgs.mixed_graph_max_tokens,
         help="mixed steps up to this many tokens replay CUDA graphs; 0: eager (default: %(default)s)",
     )
+    parser.add_argument(
+        "--mixed-graph-ladder-steps",
+        type=int,
+        default=EngineArgs.mixed_graph_ladder_steps,
+        help="graph sizes for mixed steps from each power of two tokens to the next (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        help="the engine's sequence cap (default: the largest batch, at least 256, plus one for a fed prompt); "
+        "a mixed graph gives the decode kernel this many rows, so the server's 1,024 costs more empty ones",
+    )
     parser.add_argument("--max-model-len", type=int, default=4352)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--trace", help="write a Chrome trace here (one a batch: NAME-bB.json)")
@@ -318,9 +330,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             model=args.model,
             max_model_len=args.max_model_len,
             # one more than the largest batch: a mixed step's new prompt needs a sequence slot
-            max_num_seqs=max(256, *args.batch) + (1 if args.prefill_chunk else 0),
+            max_num_seqs=args.max_num_seqs or max(256, *args.batch) + (1 if args.prefill_chunk else 0),
             dtype=args.dtype,
             mixed_graph_max_tokens=args.mixed_graph_max_tokens,
+            mixed_graph_ladder_steps=args.mixed_graph_ladder_steps,
         )
     )
     ceiling = copy_bandwidth_gbs(engine.device) if engine.device.type == "cuda" else None

@@ -51,6 +51,7 @@ class RunnerConfig:
     enforce_eager: bool = False
     # Steps with prompt tokens up to this many tokens replay graphs (0: always eager).
     mixed_graph_max_tokens: int = 4096
+    mixed_graph_ladder_steps: int = 4  # graph sizes a doubling of the token count
     seed: int = 0
 
 
@@ -203,7 +204,10 @@ class ModelRunner:
         if max_tokens > 0:
             start = time.perf_counter()
             self.mixed_graphs = CudaGraphRunner(
-                self.model, self.buffers, self._mixed_graph_metadata, token_count_ladder(max_tokens)
+                self.model,
+                self.buffers,
+                self._mixed_graph_metadata,
+                token_count_ladder(max_tokens, steps_per_doubling=config.mixed_graph_ladder_steps),
             )
             logger.info(
                 "captured %d CUDA graphs for steps with prompt chunks (%d..%d tokens, up to %d chunks) in %.1f s",

@@ -50,6 +50,12 @@ ENGINE_FLAGS: tuple[tuple[str, str, type, str], ...] = (
         int,
         f"steps with prompt chunks, up to this many tokens, replay CUDA graphs (0: eager; default {EngineArgs.mixed_graph_max_tokens})",
     ),
+    (
+        "--mixed-graph-ladder-steps",
+        "mixed_graph_ladder_steps",
+        int,
+        f"graph sizes for those steps from each power of two tokens to the next (more: less padding, more graphs; default {EngineArgs.mixed_graph_ladder_steps})",
+    ),
 )
 API_KEY_ENV = "PAGED_ENGINE_API_KEY"
 TRACEMALLOC_ENV = "PAGED_ENGINE_TRACEMALLOC"  # set (to anything): trace the Python heap for /metrics

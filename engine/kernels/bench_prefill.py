@@ -30,10 +30,14 @@ CASES: list[tuple[str, list[tuple[int, int]]]] = [
     ("8 chunks x 1024 @1024", [(1024, 1024)] * 8),
     ("8 chunks x 1024 @3072", [(3072, 1024)] * 8),
     ("16 prompts x 512", [(0, 512)] * 16),
+    # A closed loop's mixed steps: one new prompt beside the decodes (too few programs to fill the GPU).
+    ("1 prompt x 256", [(0, 256)]),
+    ("1 prompt x 1024", [(0, 1024)]),
+    ("1 prompt x 4096", [(0, 4096)]),
 ]
 # The torch backend's SDPA choice (flash where it applies; an explicit mask falls to memory-efficient).
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-SWEEP_TILES = [(m, n, w, s) for m in (64, 128) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
+SWEEP_TILES = [(m, n, w, s) for m in (32, 64, 128) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
 
 
 def _slots(table: torch.Tensor, length: int) -> torch.Tensor:
@@ -42,9 +46,9 @@ def _slots(table: torch.Tensor, length: int) -> torch.Tensor:
     return table[positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE
 
 
-def time_ms(call: Callable[[], object]) -> float:
+def time_ms(call: Callable[[], object], rep_ms: int = 300) -> float:
     """Median milliseconds a call (eager launches, L2 flushed between calls), after warm-up."""
-    return float(triton.testing.do_bench(call, warmup=50, rep=300, return_mode="median"))
+    return float(triton.testing.do_bench(call, warmup=50, rep=rep_ms, return_mode="median"))
 
 
 class Step:
@@ -167,7 +171,8 @@ def sweep_case(step: Step, flops: int) -> list[dict]:
     timed: list[tuple[float, tuple[int, int, int, int]]] = []
     for tile in SWEEP_TILES:
         try:
-            timed.append((time_ms(functools.partial(step.run_triton, tile)), tile))
+            # a shorter run a tile: the sweep times 54 tiles a case
+            timed.append((time_ms(functools.partial(step.run_triton, tile), rep_ms=100), tile))
         except Exception as error:  # a tile that does not fit (shared memory, registers)
             print(f"    tile {tile}: {type(error).__name__}: {str(error)[:80]}")
     timed.sort()

@@ -32,6 +32,18 @@ def test_the_ladder_pads_a_step_by_at_most_a_quarter_past_64_tokens():
     assert token_count_ladder(8) == [8]
 
 
+def test_a_finer_ladder_pads_by_at_most_an_eighth_past_128_tokens():
+    sizes = token_count_ladder(4096, steps_per_doubling=8)
+    assert sizes[-1] == 4096 and sizes == sorted(set(sizes))
+    assert [s for s in sizes if 1024 <= s <= 2048] == list(range(1024, 2049, 128))
+    for n in range(1, 4097):
+        padded = next(s for s in sizes if s >= n)
+        assert padded - n < max(16, n // 8 + 1), (n, padded)
+    assert set(token_count_ladder(4096)) < set(sizes)
+    with pytest.raises(ValueError, match="steps_per_doubling"):
+        token_count_ladder(4096, steps_per_doubling=0)
+
+
 def _generate(model_dir, device, graphs: bool, prompts, max_num_seqs: int = 8):
     """Greedy tokens, and each step's (prompt chunks, padded size of the mixed graph it replayed or 0)."""
     llm = LLM(
@@ -103,3 +115,5 @@ def test_a_step_of_more_chunks_than_a_graph_holds_runs_eagerly(tiny_model_dir, d
 def test_a_negative_mixed_graph_limit_is_refused_by_name(tiny_model_dir):
     with pytest.raises(ValueError, match="mixed_graph_max_tokens"):
         LLM(str(tiny_model_dir), device="cpu", dtype="float32", mixed_graph_max_tokens=-1)
+    with pytest.raises(ValueError, match="mixed_graph_ladder_steps"):
+        LLM(str(tiny_model_dir), device="cpu", dtype="float32", mixed_graph_ladder_steps=0)
