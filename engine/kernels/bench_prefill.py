@@ -1,18 +1,23 @@
 """Micro-benchmark of paged prefill attention on CUDA at qwen2.5-1.5b's shapes (12 query heads, 2 KV heads,
 head_dim 128, block 16, bf16): ms a launch, causal TFLOP/s against a measured bf16 matmul ceiling, and the
 time of the torch path it replaces (per-sequence SDPA in a Python loop, as engine/attention/torch_backend.py
-does). `python -m engine.kernels.bench_prefill [--json PATH] [--sweep]`; `--sweep` also times other tiles,
-to tune prefill_attention._default_tile.
+does). `python -m engine.kernels.bench_prefill [--json PATH] [--sweep] [--against FILE]`; `--sweep` also
+times other tiles, to tune prefill_attention._default_tile; `--against FILE` times another version of
+the kernel's module beside this one on every case, in the same process (e.g. the one a commit had:
+`git show REF:engine/kernels/prefill_attention.py > FILE`), so a change is measured against what it
+replaces on one GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -94,11 +99,17 @@ class Step:
         attended = sum(q_len * cached + q_len * (q_len + 1) // 2 for cached, q_len in self.chunks)
         return 4 * attended * HEAD_DIM * NUM_HEADS
 
-    def run_triton(self, tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    def run_triton(
+        self, tile: tuple[int, int, int, int] | None = None, module: ModuleType | None = None
+    ) -> torch.Tensor:
+        """This kernel (or `module`'s paged_prefill_attention, another version of it) at its default
+        tile, or this kernel at `tile`."""
         args = (
             self.query, self.kv_cache[0], self.kv_cache[1], self.block_tables, self.query_start_loc,
             self.seq_lens, self.scale, self.max_query_len,
         )  # fmt: skip
+        if module is not None:
+            return module.paged_prefill_attention(*args, out=self.out)
         if tile is None:
             return paged_prefill_attention(*args, out=self.out)
         block_m, block_n, num_warps, num_stages = tile
@@ -136,7 +147,12 @@ class Step:
 
 
 def bench_case(
-    name: str, chunks: list[tuple[int, int]], device: torch.device, ceiling: float, sweep: bool
+    name: str,
+    chunks: list[tuple[int, int]],
+    device: torch.device,
+    ceiling: float,
+    sweep: bool,
+    against: ModuleType | None = None,
 ) -> dict:
     step = Step(chunks, device)
     flops = step.causal_flops()
@@ -161,9 +177,44 @@ def bench_case(
         "speedup": torch_ms / triton_ms,
         "max_abs_difference": difference,
     }
+    if against is not None:
+        # Timed again beside the other version, alternating, so a drift of the GPU's clock between
+        # the two falls on both.
+        run_against = functools.partial(step.run_triton, module=against)
+        agreement = (step.run_triton().float() - run_against().float()).abs().max().item()
+        this_ms, other_ms = [], []
+        for _ in range(3):
+            this_ms.append(time_ms(step.run_triton))
+            other_ms.append(time_ms(run_against))
+        this, other = sorted(this_ms)[1], sorted(other_ms)[1]
+        print(
+            f"    against {against.__file__}: {other:.3f} ms ({flops / other / 1e9:.1f} TFLOP/s), "
+            f"this {this:.3f} ms: {other / this:.3f}x; outputs differ by {agreement:.2e}"
+        )
+        result["against"] = {
+            "file": str(against.__file__),
+            "ms": other,
+            "tflops": flops / other / 1e9,
+            "this_ms": this,
+            "speedup": other / this,
+            "max_abs_difference": agreement,
+        }
     if sweep:
         result["sweep"] = sweep_case(step, flops)
     return result
+
+
+def load_kernel_module(path: Path) -> ModuleType:
+    """Another version of engine/kernels/prefill_attention.py, imported from its file under a name of
+    its own (its Triton kernels compile apart from this version's)."""
+    spec = importlib.util.spec_from_file_location(f"prefill_attention_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"{path} is not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not callable(getattr(module, "paged_prefill_attention", None)):
+        raise ValueError(f"{path} has no paged_prefill_attention")
+    return module
 
 
 def sweep_case(step: Step, flops: int) -> list[dict]:
@@ -191,7 +242,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine.kernels.bench_prefill", description=__doc__)
     parser.add_argument("--json", type=Path, help="write the figures to this JSON file")
     parser.add_argument("--sweep", action="store_true", help="also time other tile configurations")
+    parser.add_argument(
+        "--against",
+        type=Path,
+        help="another version of engine/kernels/prefill_attention.py, timed beside this one on every case",
+    )
     args = parser.parse_args(argv)
+    against = load_kernel_module(args.against) if args.against else None
     if not torch.cuda.is_available():
         print("bench_prefill needs a CUDA device (torch.cuda.is_available() is False); nothing to measure.")
         return 2
@@ -207,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{'case':<24} {'tokens':>7} {'ms':>9} {'TFLOP/s':>8} {'of mm':>8} "
         f"{'torch ms':>9} {'TFLOP/s':>8} {'speedup':>8} {'max diff':>9}"
     )
-    cases = [bench_case(name, chunks, device, ceiling, args.sweep) for name, chunks in CASES]
+    cases = [bench_case(name, chunks, device, ceiling, args.sweep, against) for name, chunks in CASES]
     figures = {
         "device": properties.name,
         "num_sms": properties.multi_processor_count,

@@ -55,20 +55,27 @@ def _attend_tile(
         k = tl.load(key_base + key_rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
     else:
         k = tl.load(key_base + key_rows[:, None] + offs_d[None, :])
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-    if CAUSAL_MASK:
-        scores = tl.where(tokens[None, :] <= row_pos[:, None], scores, float("-inf"))
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], unscaled
     # Every row has seen a visible key by now (the first tile is never above any row's diagonal), so
     # m_new is finite and no row turns NaN, even where this tile hides all of its keys from a row.
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    if CAUSAL_MASK:
+        scores = tl.where(tokens[None, :] <= row_pos[:, None], qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        p = tl.exp2(scores - m_new[:, None])
+    else:
+        # The row maximum of the unscaled scores, scaled once (qk_scale > 0), and the scale applied in
+        # the exponent's multiply-add: one pass over the tile's scores instead of two.
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.exp2(qk * qk_scale - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if CAUSAL_MASK:
         v = tl.load(value_base + value_rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
     else:
         v = tl.load(value_base + value_rows[:, None] + offs_d[None, :])
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    # The rescaled accumulator goes into the dot as its accumulator: the tensor cores add P V to it,
+    # with no separate pass over the [BLOCK_M, HEAD_DIM] tile.
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
 
