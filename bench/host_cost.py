@@ -1,23 +1,26 @@
 """`python -m bench host-cost --model DIR`: the host CPU that one streamed token costs in this project's
 server, with the model taken out.
 
-The server runs as `python -m server` does (its app on uvicorn, the engine loop thread, scheduling,
-step preparation, detokenization, SSE), except that each step's sampled tokens are one constant token
-id instead of the model's: what is left is the host's work per token. bench's client keeps
-`--concurrency` streams of `--output-len` tokens going from another process, as in a closed-loop
-level; the figure is the server process's CPU time (user + system, from /proc) over the tokens it
-streamed, with the output tokens/s it sustained and the HTTP parser and event loop it ran on.
+The server runs as `python -m server` does (the API process: its app on uvicorn, detokenization and
+SSE; the engine core process: scheduling, step preparation, the step loop), except that each step's
+sampled tokens are one constant token id instead of the model's: what is left is the host's work per
+token. bench's client keeps `--concurrency` streams of `--output-len` tokens going from another
+process, as in a closed-loop level; the figure is the CPU time (user + system, from /proc) of the
+server's process tree over the tokens it streamed, with the output tokens/s it sustained and the HTTP
+parser and event loop it ran on.
 
-Why it matters: on a GPU the model's step and this host work overlap, but the host work of a step
-(this figure x the sequences in it) shares one GIL between the engine loop and the event loop; once
-it outlasts the GPU's step (`engine.profile`), the server is host-bound. It needs no GPU, so a change
-to the serving path can be measured on any machine, and CPUs compared as they are.
+Why it matters: on a GPU the model's step and this host work overlap, but once the core's host work
+of a step (this figure's engine share x the sequences in it) outlasts the GPU's step
+(`engine.profile`), or the API process's share of a step's tokens outlasts it, the server is
+host-bound. It needs no GPU, so a change to the serving path can be measured on any machine, and
+CPUs compared as they are.
 
 It also measures each half alone: the engine's steps with the same constant token (the same closed
 loop, no server), by step phase; and the server over an engine that only emits the token (no
-scheduling, cache or detokenization), the HTTP side's cost. On one GIL the two cost more than their
-sum; apart, each would be bounded by its own. The children (`--serve`, `--engine-only`) import the
-engine and the server; the parent, like the rest of bench, only talks HTTP and reads their output.
+scheduling, cache or detokenization), the HTTP side's cost. The children (`--serve`, `--engine-only`)
+import the engine and the server; the parent, like the rest of bench, only talks HTTP and reads their
+output. `--server-info` instead samples any running server's whole process tree (vLLM's too) under a
+real load.
 """
 
 from __future__ import annotations
