@@ -6,6 +6,15 @@ one `StepOutputs` per core iteration carrying every one of its requests' new tok
 exists the core takes whatever messages are waiting (without blocking) between steps; when idle it
 blocks on the socket, so an idle server burns no CPU (and CI's two cores are not spun away).
 
+A step that finished requests is followed by a short wait for their replacements: a client that
+streams one request after another (a chat user, a benchmark's closed loop) sends the next as soon as
+it reads the last token, a millisecond or two after the core sent it, by when the core has already
+scheduled the step after the running one: the new request would wait a whole extra step for its
+first token. While the step in flight still runs on the device (and only then: the device is not left
+waiting), the core may give up to a fraction of that step's time (`ArrivalWait`; off unless
+`python -m server --arrival-wait-ms` sets it) for as many new requests as requests finished, and
+schedules the next step as soon as they are in.
+
 `CoreProcess.launch(args)` starts it (multiprocessing spawn: CUDA cannot follow a fork) and waits for
 its `CoreInfo`. The core's life hangs on a pipe to its launcher (the lifeline): it exits when the
 launcher closes it (`shutdown`) or dies, however it dies (even SIGKILL closes the pipe), so a server
@@ -23,8 +32,9 @@ import shutil
 import signal
 import tempfile
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from typing import Protocol, TypeVar
 
@@ -59,6 +69,28 @@ _ENCODER = msgspec.msgpack.Encoder()
 _Socket = TypeVar("_Socket", bound=zmq.Socket)
 
 
+@dataclass(frozen=True)
+class ArrivalWait:
+    """How long the core may wait, after a step that finished requests, for new ones before it
+    schedules the next step: at most `fraction` of the shorter of the last two steps' wall times (the
+    step in flight is about as long, and the rest is left for scheduling and preparing the next one
+    before the device runs out of work), and never more than `max_ms` (0: never wait). The wait also ends as soon as
+    the step in flight is done, checked every millisecond (the poll's resolution), so a step much
+    shorter than the last one costs the device at most that."""
+
+    max_ms: float = 0.0
+    fraction: float = 0.3
+
+    def __post_init__(self) -> None:
+        if self.max_ms < 0 or not 0 <= self.fraction <= 1:
+            raise ValueError(
+                f"an arrival wait needs max_ms >= 0 and fraction in [0, 1], got {self.max_ms} and {self.fraction}"
+            )
+
+    def budget_s(self, step_seconds: float) -> float:
+        return min(self.fraction * step_seconds, self.max_ms / 1e3)
+
+
 def without_high_water_marks(socket: _Socket, linger_ms: int) -> _Socket:
     """Both ends of the core's connection queue without bound: ZeroMQ's default high-water mark
     (1,000 messages each way) makes a ROUTER silently drop messages to a peer whose queue is full, so
@@ -83,10 +115,22 @@ class EngineCore:
     """The core's loop over one ROUTER socket; `run` returns once the lifeline (a pipe's end, or any
     file descriptor) becomes readable: its other end was closed."""
 
-    def __init__(self, engine: LLMEngine, socket: zmq.Socket, lifeline: int | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        socket: zmq.Socket,
+        lifeline: int | None = None,
+        arrival_wait: ArrivalWait = ArrivalWait(),
+    ) -> None:
         self.engine = engine
         self.socket = socket
         self.lifeline = lifeline
+        self.arrival_wait = arrival_wait
+        self._arrivals = 0  # requests that reached the core (admitted or not) since start
+        # The last step: how many requests it finished, its wall time, and the arrivals before its end.
+        self._finished_last_step = 0
+        self._step_seconds: deque[float] = deque([0.0], maxlen=2)
+        self._arrivals_at_step_end = 0
         self._poller = zmq.Poller()
         self._poller.register(socket, zmq.POLLIN)
         if lifeline is not None:
@@ -102,6 +146,8 @@ class EngineCore:
         while not self._stopping:
             busy = engine.has_unfinished_requests()
             took = self._take_messages(0 if busy else None)
+            if busy and self._finished_last_step and self.arrival_wait.max_ms > 0:
+                took += self._wait_for_arrivals()
             if self._stopping:
                 break
             if self._admitted or self._failures:
@@ -110,6 +156,23 @@ class EngineCore:
                 self._step()
             elif took:
                 self._send_all(None, {})  # e.g. aborts: the stats show their freed blocks
+
+    def _wait_for_arrivals(self) -> int:
+        """After a step that finished requests: take messages until as many requests as finished have
+        arrived, the wait's budget is spent, or the step in flight is done; returns how many."""
+        expected = self._arrivals_at_step_end + self._finished_last_step
+        # The step in flight is about as long as the shorter of the last two (a long prefill step is
+        # often followed by a short decode step: the budget is a fraction of the short one).
+        deadline = time.perf_counter() + self.arrival_wait.budget_s(min(self._step_seconds))
+        took = 0
+        while self._arrivals < expected and self.engine.is_step_running():
+            left_ms = (deadline - time.perf_counter()) * 1e3
+            if left_ms < 0.5:  # the poll's resolution is a millisecond
+                break
+            took += self._take_messages(1)
+            if self._stopping:
+                break
+        return took
 
     # -- messages in -----------------------------------------------------------------------------
     def _take_messages(self, timeout_ms: int | None) -> int:
@@ -168,6 +231,7 @@ class EngineCore:
         """Admit the group whole, or fail each of its requests: over the admission limit
         ("overloaded"), refused by the engine's own checks ("invalid"), or an engine fault."""
         request_ids = message.request_ids
+        self._arrivals += len(request_ids)
         pending = len(self._owner)
         if pending + len(request_ids) > message.max_pending:
             reason = over_the_limit(pending, message.max_pending)
@@ -203,6 +267,7 @@ class EngineCore:
     # -- a step and its outputs ------------------------------------------------------------------
     def _step(self) -> None:
         start = time.perf_counter()
+        self._finished_last_step = 0
         try:
             outputs = self.engine.step()
         except Exception:
@@ -225,9 +290,12 @@ class EngineCore:
                 continue
             if output.finished:
                 del owner[output.request_id]
+                self._finished_last_step += 1
             # finish_reason is None until the last output (the core's engine finds no stop strings)
             deltas[sender].append(TokenDelta(output.request_id, output.new_token_ids, output.finish_reason))
         self._send_all(seconds, deltas)
+        self._step_seconds.append(seconds)
+        self._arrivals_at_step_end = self._arrivals
 
     def _send_verdicts(self) -> None:
         """Tell the API processes at once which of their new requests were admitted or refused, so
@@ -278,6 +346,7 @@ def run_engine_core(
     address: str,
     lifeline: multiprocessing.connection.Connection,
     setup: Callable[[], None] | None = None,
+    arrival_wait: ArrivalWait = ArrivalWait(),
 ) -> None:
     """The core process's main: build the engine, report `CoreInfo` (or the error) on the lifeline,
     then loop until the lifeline closes. It then leaves by `os._exit`, without the interpreter's
@@ -299,7 +368,7 @@ def run_engine_core(
     context = zmq.Context()
     socket = without_high_water_marks(context.socket(zmq.ROUTER), linger_ms=0)
     socket.bind(address)
-    core = EngineCore(engine, socket, lifeline.fileno())
+    core = EngineCore(engine, socket, lifeline.fileno(), arrival_wait)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # serving: the API process decides when to stop
     lifeline.send(("ready", _ENCODER.encode(core_info(engine))))
     try:
@@ -397,6 +466,7 @@ class CoreProcess:
         args: EngineArgs,
         startup_timeout: float = 1800.0,
         setup: Callable[[], None] | None = None,
+        arrival_wait: ArrivalWait = ArrivalWait(),
     ) -> CoreProcess:
         """Start the core and wait until it serves; raises CoreStartupError naming what failed.
         `setup` (a picklable, importable function) runs in the core before the engine is built."""
@@ -406,7 +476,7 @@ class CoreProcess:
         ours, theirs = context.Pipe()
         process = context.Process(
             target=run_engine_core,
-            args=(args, address, theirs, setup),
+            args=(args, address, theirs, setup, arrival_wait),
             name=CORE_PROCESS_NAME,
             daemon=True,
         )

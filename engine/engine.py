@@ -216,6 +216,11 @@ class LLMEngine:
         self.outputs.discard(request_id)
         return True
 
+    def is_step_running(self) -> bool:
+        """Whether the step launched last is still on the device: time the host has before the device
+        waits for the next one (the engine core spends some of it on requests about to arrive)."""
+        return self._in_flight is not None and self._in_flight[1].running()
+
     def has_unfinished_requests(self) -> bool:
         """True while anything runs or waits, or a step's tokens and outputs are still to come."""
         return self.scheduler.has_unfinished() or self._in_flight is not None

@@ -452,6 +452,10 @@ class PendingTokens:
         self._done = done
         self._order = order
 
+    def running(self) -> bool:
+        """Whether the device is still computing them (False on CPU, where a launch runs to the end)."""
+        return self._done is not None and not self._done.query()
+
     def result(self) -> list[int]:
         """The tokens in the order the scheduler listed the sampling sequences."""
         if self._tokens is None:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 from engine import EngineArgs
 from engine.attention import BACKEND_NAMES
-from engine.core_process import CoreProcess, CoreStartupError
+from engine.core_process import ArrivalWait, CoreProcess, CoreStartupError
 from server.api_processes import serve_with_api_processes
 from server.guards import DEFAULT_MAX_REQUEST_BYTES
 from server.serving import DrainingServer, app_from_flags, uvicorn_config
@@ -102,6 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per request")
     parser.add_argument(
+        "--arrival-wait-ms",
+        type=float,
+        default=ArrivalWait.max_ms,
+        help="after a step that finished requests, the engine core may wait this long (at most 0.3 of "
+        "a step, and only while the GPU still runs the step in flight) for their clients' next requests "
+        "before it schedules the next step, so that they start one step sooner (0: never; default: %(default)s)",
+    )
+    parser.add_argument(
         "--api-server-count",
         type=_positive_int,
         default=1,
@@ -158,7 +166,11 @@ def main(argv: Sequence[str] | None = None, core_setup: Callable[[], None] | Non
         stream=sys.stderr,
     )
     try:
-        core = CoreProcess.launch(engine_args(args), setup=core_setup)
+        if args.arrival_wait_ms < 0:
+            raise ValueError(f"--arrival-wait-ms must be >= 0, got {args.arrival_wait_ms}")
+        core = CoreProcess.launch(
+            engine_args(args), setup=core_setup, arrival_wait=ArrivalWait(max_ms=args.arrival_wait_ms)
+        )
     except (CoreStartupError, ValueError, FileNotFoundError, OSError) as error:
         logger.error("cannot start the engine: %s", error)
         return 2

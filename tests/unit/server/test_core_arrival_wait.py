@@ -1,0 +1,150 @@
+"""The engine core's wait for the next requests of clients whose requests just finished
+(engine.core_process.ArrivalWait): its loop (in a thread) over a stand-in engine whose steps take
+STEP_S on a pretend device, and a client that sends a new request as soon as it reads that its last
+one finished, as a closed loop does. With the wait, the new request reaches the engine before the
+step after the finishing one is scheduled; without it (or once the device has nothing in flight) the
+core schedules that step at once and the request waits for the next."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+import zmq
+
+from engine.core_messages import OUTPUT_DECODER, REQUEST_ENCODER, AddRequest, Hello, StepOutputs
+from engine.core_process import ArrivalWait, EngineCore, without_high_water_marks
+from engine.engine import EngineStats
+from engine.sampling_params import SamplingParams
+
+STEP_S = 0.4  # long beside a client's turnaround, even on a loaded CI machine
+
+
+@dataclass
+class _Output:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+
+
+class _Scheduler:
+    num_preemptions = 0
+
+
+class PretendDeviceEngine:
+    """What EngineCore uses of LLMEngine. Each `step()` returns one token for every request (a
+    request ends after its max_tokens) and leaves the next step running on the pretend device for
+    STEP_S; the following call waits for it. `added_at` records, for each request, how many steps
+    had been taken when it arrived."""
+
+    def __init__(self, device_busy: bool = True) -> None:
+        self.scheduler = _Scheduler()
+        self.remaining: dict[str, int] = {}
+        self.added_at: dict[str, int] = {}
+        self.steps = 0
+        self.device_busy = device_busy
+        self._in_flight_until = 0.0
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.remaining)
+
+    def is_step_running(self) -> bool:
+        return self.device_busy and time.perf_counter() < self._in_flight_until
+
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, arrival: float) -> None:
+        self.remaining[request_id] = params.max_tokens
+        self.added_at[request_id] = self.steps
+
+    def abort(self, request_id: str) -> None:
+        self.remaining.pop(request_id, None)
+
+    def step(self) -> list[_Output]:
+        time.sleep(max(0.0, self._in_flight_until - time.perf_counter()))
+        self.steps += 1
+        outputs = []
+        for request_id in list(self.remaining):
+            self.remaining[request_id] -= 1
+            last = self.remaining[request_id] == 0
+            if last:
+                del self.remaining[request_id]
+            outputs.append(_Output(request_id, [7], last, "length" if last else None))
+        self._in_flight_until = time.perf_counter() + STEP_S
+        return outputs
+
+    def stats(self) -> EngineStats:
+        return EngineStats(len(self.remaining), 0, 0, 16)
+
+
+def _replace_a_finished_request(engine: PretendDeviceEngine, wait: ArrivalWait, tmp_path) -> int:
+    """A long request keeps the engine busy; a short one finishes after 3 steps (the core's budget
+    comes from the last two steps' times, and the first took no time: nothing was in flight) and the
+    client sends its replacement as soon as it reads the finish. Returns the steps taken after the finishing step
+    before the replacement reached the engine (0: in time for the next step)."""
+    address = f"ipc://{tmp_path}/core.sock"
+    context = zmq.Context()
+    router = without_high_water_marks(context.socket(zmq.ROUTER), linger_ms=0)
+    router.bind(address)
+    lifeline_read, lifeline_write = os.pipe()
+    core = EngineCore(engine, router, lifeline_read, wait)  # type: ignore[arg-type]
+    loop = threading.Thread(target=core.run, daemon=True)
+    loop.start()
+    dealer = without_high_water_marks(context.socket(zmq.DEALER), linger_ms=0)
+    dealer.connect(address)
+
+    def send(request_id: str, max_tokens: int) -> None:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        dealer.send(REQUEST_ENCODER.encode(AddRequest(request_id, [request_id], [[1, 2]], params, 0.0, 8)))
+
+    try:
+        dealer.send(REQUEST_ENCODER.encode(Hello()))
+        send("long", 8)
+        send("short", 3)
+        finished_after = None
+        while finished_after is None:
+            assert dealer.poll(30_000), "the core sent nothing"
+            message = OUTPUT_DECODER.decode(dealer.recv())
+            assert isinstance(message, StepOutputs)
+            if any(d.request_id == "short" and d.finish_reason for d in message.deltas):
+                finished_after = engine.steps
+                send("next", 2)  # at once, as a closed-loop client does
+        deadline = time.monotonic() + 30
+        while "next" not in engine.added_at and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return engine.added_at["next"] - finished_after
+    finally:
+        os.close(lifeline_write)  # the core's loop ends when its lifeline closes
+        loop.join(10)
+        os.close(lifeline_read)
+        dealer.close()
+        router.close()
+        context.term()
+
+
+def test_the_next_request_of_a_finished_client_makes_the_next_step(tmp_path) -> None:
+    engine = PretendDeviceEngine()
+    assert _replace_a_finished_request(engine, ArrivalWait(max_ms=1000, fraction=0.5), tmp_path) == 0
+
+
+def test_without_the_wait_the_next_request_waits_a_step(tmp_path) -> None:
+    engine = PretendDeviceEngine()
+    assert _replace_a_finished_request(engine, ArrivalWait(max_ms=0), tmp_path) == 1
+
+
+def test_the_core_does_not_wait_while_the_device_has_nothing_to_run(tmp_path) -> None:
+    engine = PretendDeviceEngine(device_busy=False)
+    assert _replace_a_finished_request(engine, ArrivalWait(max_ms=1000, fraction=0.5), tmp_path) == 1
+
+
+def test_an_arrival_wait_refuses_nonsense_and_keeps_to_its_fraction() -> None:
+    with pytest.raises(ValueError, match="max_ms >= 0"):
+        ArrivalWait(max_ms=-1)
+    with pytest.raises(ValueError, match="fraction"):
+        ArrivalWait(max_ms=3, fraction=1.5)
+    wait = ArrivalWait(max_ms=3, fraction=0.3)
+    assert wait.budget_s(0.005) == pytest.approx(0.0015)
+    assert wait.budget_s(0.050) == pytest.approx(0.003)
+    assert ArrivalWait().budget_s(1.0) == 0.0
