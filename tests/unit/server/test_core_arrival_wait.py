@@ -7,32 +7,17 @@ core schedules that step at once and the request waits for the next."""
 
 from __future__ import annotations
 
-import os
-import threading
 import time
-from dataclasses import dataclass
 
 import pytest
-import zmq
+from core_loop_testing import StandInScheduler, StepOutput, core_loop, send_request
 
-from engine.core_messages import OUTPUT_DECODER, REQUEST_ENCODER, AddRequest, Hello, StepOutputs
-from engine.core_process import ArrivalWait, EngineCore, without_high_water_marks
+from engine.core_messages import OUTPUT_DECODER, StepOutputs
+from engine.core_process import ArrivalWait
 from engine.engine import EngineStats
 from engine.sampling_params import SamplingParams
 
 STEP_S = 0.4  # long beside a client's turnaround, even on a loaded CI machine
-
-
-@dataclass
-class _Output:
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-
-
-class _Scheduler:
-    num_preemptions = 0
 
 
 class PretendDeviceEngine:
@@ -42,7 +27,7 @@ class PretendDeviceEngine:
     had been taken when it arrived."""
 
     def __init__(self, device_busy: bool = True) -> None:
-        self.scheduler = _Scheduler()
+        self.scheduler = StandInScheduler()
         self.remaining: dict[str, int] = {}
         self.added_at: dict[str, int] = {}
         self.steps = 0
@@ -62,7 +47,7 @@ class PretendDeviceEngine:
     def abort(self, request_id: str) -> None:
         self.remaining.pop(request_id, None)
 
-    def step(self) -> list[_Output]:
+    def step(self) -> list[StepOutput]:
         time.sleep(max(0.0, self._in_flight_until - time.perf_counter()))
         self.steps += 1
         outputs = []
@@ -71,7 +56,7 @@ class PretendDeviceEngine:
             last = self.remaining[request_id] == 0
             if last:
                 del self.remaining[request_id]
-            outputs.append(_Output(request_id, [7], last, "length" if last else None))
+            outputs.append(StepOutput(request_id, [7], last, "length" if last else None))
         self._in_flight_until = time.perf_counter() + STEP_S
         return outputs
 
@@ -84,25 +69,9 @@ def _replace_a_finished_request(engine: PretendDeviceEngine, wait: ArrivalWait, 
     comes from the last two steps' times, and the first took no time: nothing was in flight) and the
     client sends its replacement as soon as it reads the finish. Returns the steps taken after the finishing step
     before the replacement reached the engine (0: in time for the next step)."""
-    address = f"ipc://{tmp_path}/core.sock"
-    context = zmq.Context()
-    router = without_high_water_marks(context.socket(zmq.ROUTER), linger_ms=0)
-    router.bind(address)
-    lifeline_read, lifeline_write = os.pipe()
-    core = EngineCore(engine, router, lifeline_read, wait)  # type: ignore[arg-type]
-    loop = threading.Thread(target=core.run, daemon=True)
-    loop.start()
-    dealer = without_high_water_marks(context.socket(zmq.DEALER), linger_ms=0)
-    dealer.connect(address)
-
-    def send(request_id: str, max_tokens: int) -> None:
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        dealer.send(REQUEST_ENCODER.encode(AddRequest(request_id, [request_id], [[1, 2]], params, 0.0, 8)))
-
-    try:
-        dealer.send(REQUEST_ENCODER.encode(Hello()))
-        send("long", 8)
-        send("short", 3)
+    with core_loop(engine, tmp_path, wait) as dealer:
+        send_request(dealer, "long", 8)
+        send_request(dealer, "short", 3)
         finished_after = None
         while finished_after is None:
             assert dealer.poll(30_000), "the core sent nothing"
@@ -110,18 +79,11 @@ def _replace_a_finished_request(engine: PretendDeviceEngine, wait: ArrivalWait, 
             assert isinstance(message, StepOutputs)
             if any(d.request_id == "short" and d.finish_reason for d in message.deltas):
                 finished_after = engine.steps
-                send("next", 2)  # at once, as a closed-loop client does
+                send_request(dealer, "next", 2)  # at once, as a closed-loop client does
         deadline = time.monotonic() + 30
         while "next" not in engine.added_at and time.monotonic() < deadline:
             time.sleep(0.01)
         return engine.added_at["next"] - finished_after
-    finally:
-        os.close(lifeline_write)  # the core's loop ends when its lifeline closes
-        loop.join(10)
-        os.close(lifeline_read)
-        dealer.close()
-        router.close()
-        context.term()
 
 
 def test_the_next_request_of_a_finished_client_makes_the_next_step(tmp_path) -> None:

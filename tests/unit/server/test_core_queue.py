@@ -5,37 +5,22 @@ marks a ROUTER drops what it cannot queue, silently; this test fails there."""
 
 from __future__ import annotations
 
-import os
 import threading
-from dataclasses import dataclass
 
-import zmq
+from core_loop_testing import StandInScheduler, StepOutput, core_loop, send_request
 
-from engine.core_messages import OUTPUT_DECODER, REQUEST_ENCODER, AddRequest, Hello, StepOutputs
-from engine.core_process import EngineCore, without_high_water_marks
+from engine.core_messages import OUTPUT_DECODER, StepOutputs
 from engine.engine import EngineStats
 from engine.sampling_params import SamplingParams
 
 STEPS = 5_000  # well past ZeroMQ's default marks (1,000 queued at each end)
 
 
-@dataclass
-class _Output:
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-
-
-class _Scheduler:
-    num_preemptions = 0
-
-
 class TokenPerStepEngine:
     """What EngineCore uses of LLMEngine: one token a step for each request, STEPS steps long."""
 
     def __init__(self) -> None:
-        self.scheduler = _Scheduler()
+        self.scheduler = StandInScheduler()
         self.remaining: dict[str, int] = {}
         self.done = threading.Event()
 
@@ -48,14 +33,14 @@ class TokenPerStepEngine:
     def abort(self, request_id: str) -> None:
         self.remaining.pop(request_id, None)
 
-    def step(self) -> list[_Output]:
+    def step(self) -> list[StepOutput]:
         outputs = []
         for request_id in list(self.remaining):
             self.remaining[request_id] -= 1
             last = self.remaining[request_id] == 0
             if last:
                 del self.remaining[request_id]
-            outputs.append(_Output(request_id, [7], last, "length" if last else None))
+            outputs.append(StepOutput(request_id, [7], last, "length" if last else None))
         if not self.remaining:
             self.done.set()
         return outputs
@@ -65,21 +50,9 @@ class TokenPerStepEngine:
 
 
 def test_a_lagging_api_process_loses_no_token_delta(tmp_path) -> None:
-    address = f"ipc://{tmp_path}/core.sock"
-    context = zmq.Context()
-    router = without_high_water_marks(context.socket(zmq.ROUTER), linger_ms=0)
-    router.bind(address)
-    lifeline_read, lifeline_write = os.pipe()
     engine = TokenPerStepEngine()
-    core = EngineCore(engine, router, lifeline_read)  # type: ignore[arg-type]
-    loop = threading.Thread(target=core.run, daemon=True)
-    loop.start()
-    dealer = without_high_water_marks(context.socket(zmq.DEALER), linger_ms=0)
-    dealer.connect(address)
-    try:
-        dealer.send(REQUEST_ENCODER.encode(Hello()))
-        params = SamplingParams(max_tokens=STEPS, ignore_eos=True)
-        dealer.send(REQUEST_ENCODER.encode(AddRequest("r", ["r"], [[1, 2]], params, 0.0, 8)))
+    with core_loop(engine, tmp_path) as dealer:
+        send_request(dealer, "r", STEPS)
         assert engine.done.wait(60), "the stand-in engine did not finish its steps"
         tokens, finish = 0, None
         while dealer.poll(2_000):  # everything the core sent is queued by now; read it all
@@ -89,11 +62,3 @@ def test_a_lagging_api_process_loses_no_token_delta(tmp_path) -> None:
                 tokens += len(delta.new_token_ids)
                 finish = delta.finish_reason or finish
         assert (tokens, finish) == (STEPS, "length")
-    finally:
-        os.close(lifeline_write)  # the core's loop ends when its lifeline closes
-        loop.join(10)
-        os.close(lifeline_read)
-        dealer.close()
-        router.close()
-        context.term()
-    assert not loop.is_alive()

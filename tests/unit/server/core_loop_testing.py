@@ -1,0 +1,71 @@
+"""Helpers of the engine core's loop tests: the loop (engine.core_process.EngineCore) run in a thread
+over a stand-in engine, and an API process's side of its socket.
+
+Imported by test_core_queue.py and test_core_arrival_wait.py (pytest puts this folder on sys.path).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from engine.core_messages import REQUEST_ENCODER, AddRequest, Hello
+from engine.core_process import ArrivalWait, EngineCore, without_high_water_marks
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class StepOutput:
+    """What EngineCore reads of a RequestOutput."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+
+
+class StandInScheduler:
+    """What EngineCore reads of the engine's scheduler."""
+
+    num_preemptions = 0
+
+
+@contextmanager
+def core_loop(engine: Any, folder: Path, arrival_wait: ArrivalWait = ArrivalWait()) -> Iterator[zmq.Socket]:
+    """EngineCore's loop over `engine` in a thread, on a socket in `folder`; yields an API process's
+    DEALER socket, connected and introduced. On exit the lifeline closes, the loop must end, and
+    everything is closed."""
+    address = f"ipc://{folder}/core.sock"
+    context = zmq.Context()
+    router = without_high_water_marks(context.socket(zmq.ROUTER), linger_ms=0)
+    router.bind(address)
+    lifeline_read, lifeline_write = os.pipe()
+    core = EngineCore(engine, router, lifeline_read, arrival_wait)
+    loop = threading.Thread(target=core.run, daemon=True)
+    loop.start()
+    dealer = without_high_water_marks(context.socket(zmq.DEALER), linger_ms=0)
+    dealer.connect(address)
+    try:
+        dealer.send(REQUEST_ENCODER.encode(Hello()))
+        yield dealer
+    finally:
+        os.close(lifeline_write)  # the core's loop ends when its lifeline closes
+        loop.join(10)
+        os.close(lifeline_read)
+        dealer.close()
+        router.close()
+        context.term()
+    assert not loop.is_alive(), "the core's loop did not end with its lifeline"
+
+
+def send_request(dealer: zmq.Socket, request_id: str, max_tokens: int) -> None:
+    """One request of a two-token prompt, generating max_tokens tokens whatever they are."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    dealer.send(REQUEST_ENCODER.encode(AddRequest(request_id, [request_id], [[1, 2]], params, 0.0, 8)))
