@@ -18,6 +18,7 @@ import zmq
 
 from engine.core_messages import REQUEST_ENCODER, AddRequest, Hello
 from engine.core_process import ArrivalWait, EngineCore, without_high_water_marks
+from engine.engine import EngineStats
 from engine.sampling_params import SamplingParams
 
 
@@ -35,6 +36,37 @@ class StandInScheduler:
     """What EngineCore reads of the engine's scheduler."""
 
     num_preemptions = 0
+
+
+class OneTokenAStepEngine:
+    """What EngineCore uses of LLMEngine: each step gives every request one token (7), and a request
+    ends after its max_tokens."""
+
+    def __init__(self) -> None:
+        self.scheduler = StandInScheduler()
+        self.remaining: dict[str, int] = {}
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.remaining)
+
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, arrival: float) -> None:
+        self.remaining[request_id] = params.max_tokens
+
+    def abort(self, request_id: str) -> None:
+        self.remaining.pop(request_id, None)
+
+    def step(self) -> list[StepOutput]:
+        outputs = []
+        for request_id in list(self.remaining):
+            self.remaining[request_id] -= 1
+            last = self.remaining[request_id] == 0
+            if last:
+                del self.remaining[request_id]
+            outputs.append(StepOutput(request_id, [7], last, "length" if last else None))
+        return outputs
+
+    def stats(self) -> EngineStats:
+        return EngineStats(len(self.remaining), 0, 0, 16)
 
 
 @contextmanager

@@ -10,58 +10,40 @@ from __future__ import annotations
 import time
 
 import pytest
-from core_loop_testing import StandInScheduler, StepOutput, core_loop, send_request
+from core_loop_testing import OneTokenAStepEngine, StepOutput, core_loop, send_request
 
 from engine.core_messages import OUTPUT_DECODER, StepOutputs
 from engine.core_process import ArrivalWait
-from engine.engine import EngineStats
 from engine.sampling_params import SamplingParams
 
 STEP_S = 0.4  # long beside a client's turnaround, even on a loaded CI machine
 
 
-class PretendDeviceEngine:
-    """What EngineCore uses of LLMEngine. Each `step()` returns one token for every request (a
-    request ends after its max_tokens) and leaves the next step running on the pretend device for
-    STEP_S; the following call waits for it. `added_at` records, for each request, how many steps
+class PretendDeviceEngine(OneTokenAStepEngine):
+    """The stand-in engine on a pretend device: each `step()` leaves the next step running there for
+    STEP_S, and the following call waits for it. `added_at` records, for each request, how many steps
     had been taken when it arrived."""
 
     def __init__(self, device_busy: bool = True) -> None:
-        self.scheduler = StandInScheduler()
-        self.remaining: dict[str, int] = {}
+        super().__init__()
         self.added_at: dict[str, int] = {}
         self.steps = 0
         self.device_busy = device_busy
         self._in_flight_until = 0.0
 
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.remaining)
-
     def is_step_running(self) -> bool:
         return self.device_busy and time.perf_counter() < self._in_flight_until
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, arrival: float) -> None:
-        self.remaining[request_id] = params.max_tokens
+        super().add_request(request_id, prompt, params, arrival)
         self.added_at[request_id] = self.steps
-
-    def abort(self, request_id: str) -> None:
-        self.remaining.pop(request_id, None)
 
     def step(self) -> list[StepOutput]:
         time.sleep(max(0.0, self._in_flight_until - time.perf_counter()))
         self.steps += 1
-        outputs = []
-        for request_id in list(self.remaining):
-            self.remaining[request_id] -= 1
-            last = self.remaining[request_id] == 0
-            if last:
-                del self.remaining[request_id]
-            outputs.append(StepOutput(request_id, [7], last, "length" if last else None))
+        outputs = super().step()
         self._in_flight_until = time.perf_counter() + STEP_S
         return outputs
-
-    def stats(self) -> EngineStats:
-        return EngineStats(len(self.remaining), 0, 0, 16)
 
 
 def _replace_a_finished_request(engine: PretendDeviceEngine, wait: ArrivalWait, tmp_path) -> int:

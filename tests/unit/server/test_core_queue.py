@@ -7,46 +7,25 @@ from __future__ import annotations
 
 import threading
 
-from core_loop_testing import StandInScheduler, StepOutput, core_loop, send_request
+from core_loop_testing import OneTokenAStepEngine, StepOutput, core_loop, send_request
 
 from engine.core_messages import OUTPUT_DECODER, StepOutputs
-from engine.engine import EngineStats
-from engine.sampling_params import SamplingParams
 
 STEPS = 5_000  # well past ZeroMQ's default marks (1,000 queued at each end)
 
 
-class TokenPerStepEngine:
-    """What EngineCore uses of LLMEngine: one token a step for each request, STEPS steps long."""
+class TokenPerStepEngine(OneTokenAStepEngine):
+    """The stand-in engine, telling when it has no request left."""
 
     def __init__(self) -> None:
-        self.scheduler = StandInScheduler()
-        self.remaining: dict[str, int] = {}
+        super().__init__()
         self.done = threading.Event()
 
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.remaining)
-
-    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, arrival: float) -> None:
-        self.remaining[request_id] = STEPS
-
-    def abort(self, request_id: str) -> None:
-        self.remaining.pop(request_id, None)
-
     def step(self) -> list[StepOutput]:
-        outputs = []
-        for request_id in list(self.remaining):
-            self.remaining[request_id] -= 1
-            last = self.remaining[request_id] == 0
-            if last:
-                del self.remaining[request_id]
-            outputs.append(StepOutput(request_id, [7], last, "length" if last else None))
+        outputs = super().step()
         if not self.remaining:
             self.done.set()
         return outputs
-
-    def stats(self) -> EngineStats:
-        return EngineStats(len(self.remaining), 0, 0, 16)
 
 
 def test_a_lagging_api_process_loses_no_token_delta(tmp_path) -> None:
