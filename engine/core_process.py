@@ -6,8 +6,8 @@ one `StepOutputs` per core iteration carrying every one of its requests' new tok
 exists the core takes whatever messages are waiting (without blocking) between steps; when idle it
 blocks on the socket, so an idle server burns no CPU (and CI's two cores are not spun away).
 
-A step that finished requests is followed by a short wait for their replacements: a client that
-streams one request after another (a chat user, a benchmark's closed loop) sends the next as soon as
+A step that finished requests may be followed by a short wait for their replacements: a client that
+chains its requests (an agent's calls, a benchmark's closed loop) sends the next as soon as
 it reads the last token, a millisecond or two after the core sent it, by when the core has already
 scheduled the step after the running one: the new request would wait a whole extra step for its
 first token. While the step in flight still runs on the device (and only then: the device is not left
@@ -74,9 +74,9 @@ class ArrivalWait:
     """How long the core may wait, after a step that finished requests, for new ones before it
     schedules the next step: at most `fraction` of the shorter of the last two steps' wall times (the
     step in flight is about as long, and the rest is left for scheduling and preparing the next one
-    before the device runs out of work), and never more than `max_ms` (0: never wait). The wait also ends as soon as
-    the step in flight is done, checked every millisecond (the poll's resolution), so a step much
-    shorter than the last one costs the device at most that."""
+    before the device runs out of work), and never more than `max_ms` (0: never wait). The wait also
+    ends as soon as the step in flight is done, checked every millisecond (the poll's resolution), so
+    a step much shorter than the last two costs the device at most that."""
 
     max_ms: float = 0.0
     fraction: float = 0.3
