@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per request")
     parser.add_argument(
         "--arrival-wait-ms",
-        type=float,
+        type=_non_negative_float,
         default=ArrivalWait.max_ms,
         help="after a step that finished requests, the engine core may wait this long (at most 0.3 of "
         "a step, and only while the GPU still runs the step in flight) for their clients' next requests "
@@ -146,6 +146,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value:g}")
+    return value
+
+
 def engine_args(args: argparse.Namespace) -> EngineArgs:
     """EngineArgs from the parsed flags; flags not given keep EngineArgs' defaults."""
     given = {
@@ -166,8 +173,6 @@ def main(argv: Sequence[str] | None = None, core_setup: Callable[[], None] | Non
         stream=sys.stderr,
     )
     try:
-        if args.arrival_wait_ms < 0:
-            raise ValueError(f"--arrival-wait-ms must be >= 0, got {args.arrival_wait_ms}")
         core = CoreProcess.launch(
             engine_args(args), setup=core_setup, arrival_wait=ArrivalWait(max_ms=args.arrival_wait_ms)
         )

@@ -22,3 +22,12 @@ def test_help_lists_both_spellings(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--help"])
     assert "--enable-prefix-caching, --no-enable-prefix-caching" in capsys.readouterr().out
+
+
+def test_a_negative_arrival_wait_is_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    assert build_parser().parse_args(["--model", "m"]).arrival_wait_ms == 0.0  # off unless set
+    assert build_parser().parse_args(["--model", "m", "--arrival-wait-ms", "2.5"]).arrival_wait_ms == 2.5
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["--model", "m", "--arrival-wait-ms", "-1"])
+    assert exit_info.value.code == 2
+    assert "--arrival-wait-ms: must be at least 0" in capsys.readouterr().err
