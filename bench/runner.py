@@ -12,7 +12,9 @@ import asyncio
 import itertools
 import math
 import multiprocessing as mp
+import signal
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field, replace
@@ -321,15 +323,45 @@ def _run_level(
 
 
 def _run_client(main: Coroutine[Any, Any, T]) -> T:
-    """asyncio.run for a level's client, quiet about interrupts. Ctrl-C, or SIGTERM where the perf tier
-    turns it into one (bench.launch.stop_servers_on_sigterm), raises in whichever task runs at that
-    moment; the interrupt then ends the run once, through the callers' `finally` blocks, but a task
-    left holding it (the client awaiting a request's writer on its way out) would also be reported
-    when collected, "Task exception was never retrieved" with a traceback that reads like a crash
-    after the run's own summary."""
+    """asyncio.run for a level's client, quiet about interrupts and safe from them.
+
+    Ctrl-C: asyncio.Runner cancels the client's task and raises KeyboardInterrupt once the loop has
+    stopped. SIGTERM, where the process has a Python handler for it (the perf tier's
+    bench.launch.stop_servers_on_sigterm raises KeyboardInterrupt): the same, the handler called once
+    the loop has stopped. Left to itself, that handler would raise wherever the main thread stood,
+    perhaps inside the executor's submit while it holds the executor's lock (aiohttp hands each
+    request's proxy and netrc lookups to threads), and the loop's shutdown would then wait on that lock
+    for ever: a run that hangs after SIGTERM instead of ending. A second SIGTERM while the client winds
+    down ends the process at once.
+
+    A task still holding the interrupt when collected (the client awaiting a request's writer on its
+    way out) would be reported as "Task exception was never retrieved", a traceback that reads like a
+    crash after the run's own summary: the loop's exception handler leaves those out."""
     with asyncio.Runner() as runner:
-        runner.get_loop().set_exception_handler(_ignore_interrupts)
-        return runner.run(main)
+        loop = runner.get_loop()
+        loop.set_exception_handler(_ignore_interrupts)
+        handler = signal.getsignal(signal.SIGTERM)
+        if not callable(handler) or threading.current_thread() is not threading.main_thread():
+            return runner.run(main)
+        signalled = False
+
+        def on_sigterm() -> None:
+            nonlocal signalled
+            signalled = True
+            loop.remove_signal_handler(signal.SIGTERM)  # back to the default: a second one ends it
+            for task in asyncio.all_tasks(loop):
+                if task.get_coro() is main:
+                    task.cancel()
+
+        loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+        try:
+            return runner.run(main)
+        finally:
+            if not signalled:
+                loop.remove_signal_handler(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, handler)
+            if signalled:
+                handler(signal.SIGTERM, None)  # the process's own reaction, now at a safe point
 
 
 def _ignore_interrupts(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
