@@ -111,8 +111,9 @@ class EngineArgs:
     mixed_graph_max_tokens: int = 4096
     # Their token counts: this many graph sizes from each power of two to the next (engine.cuda_graphs
     # .token_count_ladder). More: less padding a step (a step of 1,100 tokens pads to 1,280 with 4, to
-    # 1,152 with 8), more graphs to capture at start.
-    mixed_graph_ladder_steps: int = 4
+    # 1,152 with 8), more graphs to capture at start. 8 (48 sizes to 4,096, not 28): a closed loop of
+    # 128 in flight ran 0.4% and 2.4% faster than with 4 in two rounds on an H100, start-up 1-5 s longer.
+    mixed_graph_ladder_steps: int = 8
     attention_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere), torch or triton
     # Share the KV of prompt prefixes earlier requests computed (block_allocator), as vLLM and SGLang
     # do by default.

@@ -51,7 +51,7 @@ class RunnerConfig:
     enforce_eager: bool = False
     # Steps with prompt tokens up to this many tokens replay graphs (0: always eager).
     mixed_graph_max_tokens: int = 4096
-    mixed_graph_ladder_steps: int = 4  # graph sizes a doubling of the token count
+    mixed_graph_ladder_steps: int = 8  # graph sizes a doubling of the token count
     seed: int = 0
 
 
