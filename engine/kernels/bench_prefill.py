@@ -1,8 +1,9 @@
 """Micro-benchmark of paged prefill attention on CUDA at qwen2.5-1.5b's shapes (12 query heads, 2 KV heads,
 head_dim 128, block 16, bf16): ms a launch, causal TFLOP/s against a measured bf16 matmul ceiling, and the
 time of the torch path it replaces (per-sequence SDPA in a Python loop, as engine/attention/torch_backend.py
-does). `python -m engine.kernels.bench_prefill [--json PATH] [--sweep] [--against FILE]`; `--sweep` also
-times other tiles, to tune prefill_attention._default_tile; `--against FILE` times another version of
+does). `python -m engine.kernels.bench_prefill [--json PATH] [--sweep] [--against FILE] [--case TEXT ...]`;
+`--sweep` also times other tiles, to tune prefill_attention._default_tile (54 tiles compiled and timed a
+case: minutes a case, so `--case 4096` sweeps only the cases whose name holds that text); `--against FILE` times another version of
 the kernel's module beside this one on every case, in the same process (e.g. the one a commit had:
 `git show REF:engine/kernels/prefill_attention.py > FILE`), so a change is measured against what it
 replaces on one GPU.
@@ -217,6 +218,21 @@ def load_kernel_module(path: Path) -> ModuleType:
     return module
 
 
+def select_cases(
+    wanted: list[str] | None, cases: list[tuple[str, list[tuple[int, int]]]] = CASES
+) -> list[tuple[str, list[tuple[int, int]]]]:
+    """The cases whose name contains any of `wanted` (all of them for None or an empty list), in their
+    order; a text that names no case is an error listing the names, so a typo does not silently time
+    nothing."""
+    if not wanted:
+        return list(cases)
+    unmatched = [text for text in wanted if not any(text in name for name, _ in cases)]
+    if unmatched:
+        names = ", ".join(repr(name) for name, _ in cases)
+        raise ValueError(f"--case {unmatched[0]!r} matches no case; the cases: {names}")
+    return [(name, chunks) for name, chunks in cases if any(text in name for text in wanted)]
+
+
 def sweep_case(step: Step, flops: int) -> list[dict]:
     """Every (BLOCK_M, BLOCK_N, num_warps, num_stages) in SWEEP_TILES; prints the five fastest."""
     timed: list[tuple[float, tuple[int, int, int, int]]] = []
@@ -247,7 +263,17 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         help="another version of engine/kernels/prefill_attention.py, timed beside this one on every case",
     )
+    parser.add_argument(
+        "--case",
+        action="append",
+        metavar="TEXT",
+        help="only the cases whose name contains TEXT (repeatable), e.g. --case 4096",
+    )
     args = parser.parse_args(argv)
+    try:
+        selected = select_cases(args.case)
+    except ValueError as error:
+        parser.error(str(error))
     against = load_kernel_module(args.against) if args.against else None
     if not torch.cuda.is_available():
         print("bench_prefill needs a CUDA device (torch.cuda.is_available() is False); nothing to measure.")
@@ -264,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{'case':<24} {'tokens':>7} {'ms':>9} {'TFLOP/s':>8} {'of mm':>8} "
         f"{'torch ms':>9} {'TFLOP/s':>8} {'speedup':>8} {'max diff':>9}"
     )
-    cases = [bench_case(name, chunks, device, ceiling, args.sweep, against) for name, chunks in CASES]
+    cases = [bench_case(name, chunks, device, ceiling, args.sweep, against) for name, chunks in selected]
     figures = {
         "device": properties.name,
         "num_sms": properties.multi_processor_count,
