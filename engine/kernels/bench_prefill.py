@@ -240,6 +240,8 @@ def sweep_case(step: Step, flops: int) -> list[dict]:
         try:
             # a shorter run a tile: the sweep times 54 tiles a case
             timed.append((time_ms(functools.partial(step.run_triton, tile), rep_ms=100), tile))
+            # each tile as it is timed: a sweep cut short by a time limit still shows what it measured
+            print(f"    tile {tile}: {timed[-1][0]:.3f} ms", flush=True)
         except Exception as error:  # a tile that does not fit (shared memory, registers)
             print(f"    tile {tile}: {type(error).__name__}: {str(error)[:80]}")
     timed.sort()
