@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata, forward_context, get_backend
-from engine.config import ModelConfig
+from engine.config import EngineArgs, ModelConfig
 from engine.cuda_graphs import CudaGraphRunner, batch_size_ladder, token_count_ladder
 from engine.loader import iter_weights
 from engine.models import MODEL_CLASSES
@@ -39,7 +39,8 @@ CPU_DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes; CPU memory has no natural "fract
 
 @dataclass(frozen=True)
 class RunnerConfig:
-    """What the runner is sized for and how it runs; derived by the engine from EngineArgs."""
+    """What the runner is sized for and how it runs; derived by the engine from EngineArgs, whose
+    defaults (and the reasons for them) these are, so that a runner made directly runs as the engine's."""
 
     device: torch.device
     dtype: torch.dtype
@@ -47,12 +48,12 @@ class RunnerConfig:
     block_size: int
     max_num_seqs: int
     max_num_batched_tokens: int
-    attention_backend: str = "auto"
-    enforce_eager: bool = False
+    attention_backend: str = EngineArgs.attention_backend
+    enforce_eager: bool = EngineArgs.enforce_eager
     # Steps with prompt tokens up to this many tokens replay graphs (0: always eager).
-    mixed_graph_max_tokens: int = 4096
-    mixed_graph_ladder_steps: int = 8  # graph sizes a doubling of the token count
-    seed: int = 0
+    mixed_graph_max_tokens: int = EngineArgs.mixed_graph_max_tokens
+    mixed_graph_ladder_steps: int = EngineArgs.mixed_graph_ladder_steps  # sizes a doubling of the tokens
+    seed: int = EngineArgs.seed
 
 
 @dataclass
