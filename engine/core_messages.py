@@ -65,12 +65,34 @@ class CoreStats(msgspec.Struct, array_like=True):
     num_pending: int  # requests admitted and not finished, from every API process
 
 
+class FirstTokenTimes(msgspec.Struct, array_like=True):
+    """Where a request's time to its first token went inside the core, as time.monotonic() readings
+    (one clock for every process of the host, so the API process subtracts its own arrival time):
+    the core took the request, the scheduler first gave it a step, the core sent the first token."""
+
+    received: float
+    scheduled: float
+    sent: float
+
+    def parts(self, arrival: float, taken: float) -> tuple[float, float, float, float]:
+        """The time from `arrival` (the API process handing the request over) to `taken` (it taking
+        the first token) in four parts that add up to it: to the core, queued, prefill, delivery."""
+        return (
+            self.received - arrival,
+            self.scheduled - self.received,
+            self.sent - self.scheduled,
+            taken - self.sent,
+        )
+
+
 class TokenDelta(msgspec.Struct, array_like=True):
-    """One request's new tokens in a step; finish_reason is set on its last delta."""
+    """One request's new tokens in a step; finish_reason is set on its last delta, first_token_times
+    on its first (the queue and prefill histograms of /metrics come from them)."""
 
     request_id: str
     new_token_ids: list[int]
     finish_reason: str | None = None
+    first_token_times: FirstTokenTimes | None = None
 
 
 def over_the_limit(pending: int, max_pending: int) -> str:

@@ -50,6 +50,7 @@ from engine.core_messages import (
     CoreInfo,
     CoreRequest,
     CoreStats,
+    FirstTokenTimes,
     Goodbye,
     Hello,
     RequestFailed,
@@ -137,6 +138,8 @@ class EngineCore:
             self._poller.register(lifeline, zmq.POLLIN)
         self._stopping = False
         self._owner: dict[str, bytes] = {}  # request id -> the API process (socket identity) it came from
+        # request id -> time.monotonic() when the core took it, until its first token goes out
+        self._received: dict[str, float] = {}
         self._clients: set[bytes] = set()
         self._failures: defaultdict[bytes, list[RequestFailed]] = defaultdict(list)
         self._admitted: defaultdict[bytes, list[str]] = defaultdict(list)
@@ -238,6 +241,7 @@ class EngineCore:
             self._failures[client].extend(RequestFailed(r, "overloaded", reason) for r in request_ids)
             return
         engine = self.engine
+        received = time.monotonic()
         added: list[str] = []
         for request_id, prompt in zip(request_ids, message.prompts, strict=True):
             try:
@@ -256,9 +260,11 @@ class EngineCore:
             added.append(request_id)
         for request_id in added:
             self._owner[request_id] = client
+            self._received[request_id] = received
         self._admitted[client].append(message.group_id)
 
     def _abort(self, request_id: str) -> None:
+        self._received.pop(request_id, None)
         try:
             self.engine.abort(request_id)
         except Exception:
@@ -279,11 +285,13 @@ class EngineCore:
                     RequestFailed(request_id, "engine", "the engine failed while generating")
                 )
             self._owner.clear()
+            self._received.clear()
             self._send_all(None, {})
             return
         seconds = time.perf_counter() - start
         deltas: defaultdict[bytes, list[TokenDelta]] = defaultdict(list)
         owner = self._owner
+        sent = time.monotonic()
         for output in outputs:
             sender = owner.get(output.request_id)
             if sender is None:  # aborted meanwhile
@@ -291,8 +299,14 @@ class EngineCore:
             if output.finished:
                 del owner[output.request_id]
                 self._finished_last_step += 1
+            times = None
+            received = self._received.pop(output.request_id, None)  # present until its first output
+            if received is not None and output.first_scheduled_time is not None:
+                times = FirstTokenTimes(received, output.first_scheduled_time, sent)
             # finish_reason is None until the last output (the core's engine finds no stop strings)
-            deltas[sender].append(TokenDelta(output.request_id, output.new_token_ids, output.finish_reason))
+            deltas[sender].append(
+                TokenDelta(output.request_id, output.new_token_ids, output.finish_reason, times)
+            )
         self._send_all(seconds, deltas)
         self._step_seconds.append(seconds)
         self._arrivals_at_step_end = self._arrivals

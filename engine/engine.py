@@ -287,6 +287,8 @@ class LLMEngine:
             new_ids = seq.output_token_ids[state.num_sent_tokens : committed]
             finished = seq.is_finished and not seq.num_pending
             output = self.outputs.process(seq.request_id, new_ids, seq.finish_reason if finished else None)
+            if state.num_sent_tokens == 0:
+                output.first_scheduled_time = seq.first_scheduled_time
             if ended_by_text(output, seq.finish_reason if finished else None):
                 if not seq.is_finished:
                     self.scheduler.finish(seq, "stop")  # drops the token of the step in flight

@@ -26,6 +26,8 @@ class RequestOutput:
     new_text: str
     finished: bool
     finish_reason: str | None = None  # "stop", "length" or "abort"
+    # On a request's first output only: time.monotonic() when the scheduler first gave it a step.
+    first_scheduled_time: float | None = None
     # The request's output list (append-only) and how much of it this output covers: the full list is
     # copied only when read, so a streaming consumer pays per new token, not per token so far.
     _output_ref: list[int] = field(default_factory=list, repr=False)
@@ -48,6 +50,7 @@ class RequestOutput:
             new_text=self.new_text + later.new_text,
             finished=later.finished,
             finish_reason=later.finish_reason,
+            first_scheduled_time=self.first_scheduled_time,
             _output_ref=later._output_ref,
             _num_output_tokens=later._num_output_tokens,
         )

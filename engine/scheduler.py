@@ -35,6 +35,7 @@ A block is registered once its tokens are computed (or being computed by a launc
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -172,6 +173,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
             seq.num_computed_tokens = num_cached
             if self.config.enable_prefix_caching:
                 self.prefix_cache_queries += seq.num_tokens

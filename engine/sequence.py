@@ -32,6 +32,9 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float = 0.0
+    # time.monotonic() when the scheduler first gave it a step (None while it waits): the request's
+    # queue time ends here, its prefill begins (kept across preemption: the first time counts)
+    first_scheduled_time: float | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING

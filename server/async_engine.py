@@ -61,7 +61,11 @@ class LoopObserver(Protocol):
 
     def on_step(self, step_seconds: float, num_new_tokens: int) -> None: ...
 
-    def on_first_token(self, seconds_since_arrival: float) -> None: ...
+    def on_first_token(
+        self, seconds_since_arrival: float, parts: tuple[float, float, float, float] | None
+    ) -> None:
+        """`parts`: seconds_since_arrival split at the core's readings (FirstTokenTimes.parts),
+        None where the core sent none."""
 
     def on_request_finished(self, finish_reason: str, seconds_since_arrival: float) -> None: ...
 
@@ -360,7 +364,9 @@ class AsyncEngine:
                 stopped.append(request_id)
             if observer and not entry.seen_first_token:
                 entry.seen_first_token = True
-                observer.on_first_token(now - entry.arrival_time)
+                times = delta.first_token_times
+                parts = times.parts(entry.arrival_time, now) if times is not None else None
+                observer.on_first_token(now - entry.arrival_time, parts)
             if output.finished:
                 del in_flight[request_id]
                 if observer:

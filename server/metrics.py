@@ -162,6 +162,33 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=registry,
         )
+        # engine_time_to_first_token_seconds in four parts, which add up to it request by request:
+        # where a slow first token waits (the hops between processes, the queue, the prompt's steps).
+        self.request_to_core = Histogram(
+            "server_request_to_core_seconds",
+            "The API process handing a request to the engine core, to the core taking it.",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.queue_time = Histogram(
+            "engine_request_queue_time_seconds",
+            "The engine core taking a request, to the scheduler first giving it a step.",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.prefill_time = Histogram(
+            "engine_request_prefill_time_seconds",
+            "The scheduler first giving a request a step, to the core sending its first token "
+            "(its prompt's steps and the step its token comes back in).",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.first_token_delivery = Histogram(
+            "server_first_token_delivery_seconds",
+            "The engine core sending a request's first token, to the API process taking it.",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.e2e_latency = Histogram(
             "engine_e2e_request_latency_seconds",
             "Arrival to finish.",
@@ -192,8 +219,16 @@ class ServerMetrics:
         if num_new_tokens:
             self.generation_tokens.inc(num_new_tokens)
 
-    def on_first_token(self, seconds_since_arrival: float) -> None:
+    def on_first_token(
+        self, seconds_since_arrival: float, parts: tuple[float, float, float, float] | None
+    ) -> None:
         self.time_to_first_token.observe(seconds_since_arrival)
+        if parts is not None:
+            to_core, queued, prefill, delivery = parts
+            self.request_to_core.observe(to_core)
+            self.queue_time.observe(queued)
+            self.prefill_time.observe(prefill)
+            self.first_token_delivery.observe(delivery)
 
     def on_request_finished(self, finish_reason: str, seconds_since_arrival: float) -> None:
         self.request_success.labels(finished_reason=finish_reason).inc()

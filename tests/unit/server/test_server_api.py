@@ -5,6 +5,7 @@ request that fails inside it.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -210,6 +211,52 @@ async def test_metrics(api: httpx.AsyncClient) -> None:
     assert samples['engine_request_success_total{finished_reason="length"}'] == 1
     assert "engine_preemptions_total" in samples
     assert "engine_kv_blocks_cached" in samples and "engine_prefix_cache_hits_total" in samples
+
+
+FIRST_TOKEN_PARTS = (
+    "server_request_to_core_seconds",
+    "engine_request_queue_time_seconds",
+    "engine_request_prefill_time_seconds",
+    "server_first_token_delivery_seconds",
+)
+
+
+async def test_the_time_to_first_token_is_split_into_parts_that_add_up_to_it(api: httpx.AsyncClient) -> None:
+    for prompt in ([5, 6, 7], [8, 9], list(range(100, 300))):
+        await complete(api, prompt=prompt, max_tokens=3, ignore_eos=True)
+    samples = parse_metrics((await api.get("/metrics")).text)
+    assert samples["engine_time_to_first_token_seconds_count"] == 3
+    for name in FIRST_TOKEN_PARTS:
+        assert samples[f"{name}_count"] == 3, name
+        assert samples[f"{name}_sum"] >= 0, name  # one clock for every process of the host
+    parts = sum(samples[f"{name}_sum"] for name in FIRST_TOKEN_PARTS)
+    assert parts == pytest.approx(samples["engine_time_to_first_token_seconds_sum"], abs=1e-6)
+
+
+async def test_a_request_that_waits_for_kv_blocks_shows_in_the_queue_time(api: httpx.AsyncClient) -> None:
+    async def queue_and_prefill() -> tuple[float, float]:
+        samples = parse_metrics((await api.get("/metrics")).text)
+        return (
+            samples["engine_request_queue_time_seconds_sum"],
+            samples["engine_request_prefill_time_seconds_sum"],
+        )
+
+    def prompt(seed: int) -> list[int]:
+        return [1_000 + 37 * seed + i for i in range(400)]  # 25 of the 64 KV blocks
+
+    # One after the other: nothing waits, so each request's queue time is less than its prefill (a
+    # 400-token prompt's step, and the step its token comes back in).
+    for seed in range(3):
+        await complete(api, prompt=prompt(seed), max_tokens=2, ignore_eos=True)
+    alone_queue, alone_prefill = await queue_and_prefill()
+    assert alone_queue < alone_prefill
+    # All three at once: two fit (2 x 27 blocks of 64 with their 32 tokens), the third waits until one
+    # of them has generated all 32 of its tokens, a queue longer than the three prefills.
+    await asyncio.gather(
+        *(complete(api, prompt=prompt(seed), max_tokens=32, ignore_eos=True) for seed in range(3, 6))
+    )
+    queue, prefill = await queue_and_prefill()
+    assert queue - alone_queue > prefill - alone_prefill
 
 
 async def test_a_repeated_prompt_shows_prefix_cache_hits_and_reset_forgets_them(
