@@ -156,45 +156,33 @@ class ServerMetrics:
         self.requests_rejected = Counter(
             "server_requests_rejected", "Requests answered 503 by admission control.", registry=registry
         )
-        self.time_to_first_token = Histogram(
-            "engine_time_to_first_token_seconds",
-            "Arrival to first generated token.",
-            buckets=_LATENCY_BUCKETS,
-            registry=registry,
+
+        def latency(name: str, documentation: str) -> Histogram:
+            return Histogram(name, documentation, buckets=_LATENCY_BUCKETS, registry=registry)
+
+        self.time_to_first_token = latency(
+            "engine_time_to_first_token_seconds", "Arrival to first generated token."
         )
         # engine_time_to_first_token_seconds in four parts, which add up to it request by request:
         # where a slow first token waits (the hops between processes, the queue, the prompt's steps).
-        self.request_to_core = Histogram(
+        self.request_to_core = latency(
             "server_request_to_core_seconds",
             "The API process handing a request to the engine core, to the core taking it.",
-            buckets=_LATENCY_BUCKETS,
-            registry=registry,
         )
-        self.queue_time = Histogram(
+        self.queue_time = latency(
             "engine_request_queue_time_seconds",
             "The engine core taking a request, to the scheduler first giving it a step.",
-            buckets=_LATENCY_BUCKETS,
-            registry=registry,
         )
-        self.prefill_time = Histogram(
+        self.prefill_time = latency(
             "engine_request_prefill_time_seconds",
             "The scheduler first giving a request a step, to the core sending its first token "
             "(its prompt's steps and the step its token comes back in).",
-            buckets=_LATENCY_BUCKETS,
-            registry=registry,
         )
-        self.first_token_delivery = Histogram(
+        self.first_token_delivery = latency(
             "server_first_token_delivery_seconds",
             "The engine core sending a request's first token, to the API process taking it.",
-            buckets=_LATENCY_BUCKETS,
-            registry=registry,
         )
-        self.e2e_latency = Histogram(
-            "engine_e2e_request_latency_seconds",
-            "Arrival to finish.",
-            buckets=_LATENCY_BUCKETS,
-            registry=registry,
-        )
+        self.e2e_latency = latency("engine_e2e_request_latency_seconds", "Arrival to finish.")
         self.step_time = Histogram(
             "engine_step_time_seconds",
             "Duration of one engine step.",
