@@ -12,20 +12,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from dataclasses import dataclass
 
 import httpx
 
 from bench.client import Endpoint
 from bench.runner import LevelResult, LoadConfig, run_closed_loop
+from bench.server_metrics import TIMEOUT_S, auth_headers, metric_totals, read_settled_totals, read_totals
 from bench.workload import WorkloadSpec
 
 # Counter names, as each server's /metrics writes them: this project's first, then vLLM's.
 QUERIES = ("engine_prefix_cache_queries_total", "vllm:prefix_cache_queries_total")
 HITS = ("engine_prefix_cache_hits_total", "vllm:prefix_cache_hits_total")
 NO_RESET_HINT = "vLLM serves /reset_prefix_cache only with VLLM_SERVER_DEV_MODE=1 in its environment"
-TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -36,57 +35,39 @@ class CacheCounters:
     hits: float
 
 
+def cache_counters(totals: dict[str, float] | None) -> CacheCounters | None:
+    """The prefix cache's counters from a server's metric totals (bench.server_metrics); None when it
+    has neither server's."""
+    if totals is None or not any(name in totals for name in (*QUERIES, *HITS)):
+        return None
+    return CacheCounters(
+        sum(totals.get(name, 0.0) for name in QUERIES), sum(totals.get(name, 0.0) for name in HITS)
+    )
+
+
 def parse_counters(text: str) -> CacheCounters | None:
     """The prefix cache's counters from a Prometheus text page (each summed over its label sets);
     None when the page has neither server's."""
-    totals = {"queries": 0.0, "hits": 0.0}
-    seen = False
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        key = "queries" if name in QUERIES else "hits" if name in HITS else None
-        if key is None:
-            continue
-        try:
-            totals[key] += float(line.rsplit(" ", 1)[1])
-        except (IndexError, ValueError):
-            continue
-        seen = True
-    return CacheCounters(totals["queries"], totals["hits"]) if seen else None
+    return cache_counters(metric_totals(text))
 
 
 def read_counters(endpoint: Endpoint) -> CacheCounters | None:
     """`GET /metrics` at the server root, parsed; None when it does not answer or has no such counters."""
-    try:
-        response = httpx.get(f"{endpoint.root_url}/metrics", headers=_auth(endpoint), timeout=TIMEOUT_S)
-    except httpx.HTTPError:
-        return None
-    return parse_counters(response.text) if response.status_code == 200 else None
+    return cache_counters(read_totals(endpoint))
 
 
-def read_settled_counters(
-    endpoint: Endpoint, settle_s: float = 0.2, max_s: float = 3.0
-) -> CacheCounters | None:
-    """The counters once two reads `settle_s` apart agree (at most `max_s`): read right after a
-    level's last stream ends, a server that publishes its engine's figures after the step that sent
+def read_settled_counters(endpoint: Endpoint) -> CacheCounters | None:
+    """The counters once two reads agree (bench.server_metrics.read_settled_totals): read right after
+    a level's last stream ends, a server that publishes its engine's figures after the step that sent
     the last token (or on a timer) may not have counted the level's last lookups yet."""
-    last = read_counters(endpoint)
-    deadline = time.monotonic() + max_s
-    while last is not None and time.monotonic() < deadline:
-        time.sleep(settle_s)
-        now = read_counters(endpoint)
-        if now == last:
-            break
-        last = now
-    return last
+    return cache_counters(read_settled_totals(endpoint, (*QUERIES, *HITS)))
 
 
 def reset_prefix_cache(endpoint: Endpoint) -> str:
     """`POST /reset_prefix_cache` at the server root: "" when it answered 200, else why not."""
     try:
         response = httpx.post(
-            f"{endpoint.root_url}/reset_prefix_cache", headers=_auth(endpoint), timeout=TIMEOUT_S
+            f"{endpoint.root_url}/reset_prefix_cache", headers=auth_headers(endpoint), timeout=TIMEOUT_S
         )
     except httpx.HTTPError as exc:
         return f"POST /reset_prefix_cache failed: {exc!r}"
@@ -141,7 +122,3 @@ def run_fresh_level(
     if refused:
         result.warnings.append(f"concurrency {concurrency}: the prefix cache was not reset: {refused}")
     return result
-
-
-def _auth(endpoint: Endpoint) -> dict[str, str]:
-    return {"Authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else {}

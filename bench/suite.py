@@ -18,10 +18,11 @@ from typing import Any
 
 from bench.client import Endpoint
 from bench.metrics import RequestRow
-from bench.prefix import hit_figures, read_settled_counters, run_fresh_level
+from bench.prefix import HITS, QUERIES, cache_counters, hit_figures, run_fresh_level
 from bench.probe import probe
 from bench.results import write_run
 from bench.runner import LevelResult, LoadConfig, SweepConfig, run_closed_loop, run_open_loop, run_sweep
+from bench.server_metrics import first_token_figures, first_token_names, read_settled_totals
 from bench.workload import WorkloadSpec
 
 RUN_FORMAT = 1
@@ -65,9 +66,9 @@ def run_benchmark(config: RunConfig) -> dict[str, Any]:
     levels: list[LevelResult] = []
     run: dict[str, Any] = {}
     for rate in config.rates:
-        before = read_settled_counters(config.endpoint)
+        before = _server_totals(config.endpoint)
         levels.append(run_open_loop(config.endpoint, config.workload, rate, config.load, clock_zero))
-        levels[-1].summary.update(hit_figures(before, read_settled_counters(config.endpoint)))
+        levels[-1].summary.update(_server_figures(before, _server_totals(config.endpoint)))
         _print_level(levels[-1], config.load.progress)
     if config.sweep is not None:
         swept = run_sweep(config.endpoint, config.workload, config.load, config.sweep, clock_zero)
@@ -82,9 +83,9 @@ def run_benchmark(config: RunConfig) -> dict[str, Any]:
                 config.endpoint, config.workload, concurrency, config.load, number, clock_zero
             )
         else:
-            before = read_settled_counters(config.endpoint)
+            before = _server_totals(config.endpoint)
             level = run_closed_loop(config.endpoint, config.workload, concurrency, config.load, clock_zero)
-            level.summary.update(hit_figures(before, read_settled_counters(config.endpoint)))
+            level.summary.update(_server_figures(before, _server_totals(config.endpoint)))
         levels.append(level)
         _print_level(levels[-1], config.load.progress)
     rows: list[RequestRow] = [row for level in levels for row in level.rows]
@@ -116,3 +117,16 @@ def _print_level(level: LevelResult, verbose: bool) -> None:
         f"failures {s['failures']}",
         file=sys.stderr,
     )
+
+
+def _server_totals(endpoint: Endpoint) -> dict[str, float] | None:
+    """The server's /metrics totals that a level's figures come from, once settled."""
+    return read_settled_totals(endpoint, (*QUERIES, *HITS, *first_token_names()))
+
+
+def _server_figures(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float]:
+    """What the server saw of a level: its prefix cache hits and the parts of its time to first token."""
+    return {
+        **hit_figures(cache_counters(before), cache_counters(after)),
+        **first_token_figures(before, after),
+    }

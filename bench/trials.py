@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from bench.metrics import STEP_TIMING
+from bench.server_metrics import FIRST_TOKEN_KEYS
 from bench.workload import SAMPLED
 
 # The sampling modes the seed-mix workload is measured in, each as WorkloadSpec's temperature and top_p:
@@ -43,8 +44,10 @@ PREFIX_MODES: dict[str, dict[str, str]] = {
 }
 # Every mode a perf case runs in: each has its own record, summary file, reference and budget section.
 CASE_MODES: tuple[str, ...] = (*SAMPLING_MODES, *PROMPT_MODES, *PREFIX_MODES)
-# Closed-loop figures a case may add to CLOSED_LOOP_KEYS (folded where a trial has them).
+# Closed-loop figures a case may add to CLOSED_LOOP_KEYS (folded where a trial has them): the prefix
+# cache's hit rate, and the server's own parts of the time to first token (bench.server_metrics).
 PREFIX_CACHE_KEYS = ("prefix_cache_hit_rate",)
+OPTIONAL_CLOSED_LOOP_KEYS = (*PREFIX_CACHE_KEYS, *FIRST_TOKEN_KEYS)
 
 OPEN_LOOP_KEYS = (
     "served_req_s",
@@ -236,12 +239,12 @@ def summarize_trials(
     offline_trials: Sequence[Mapping[str, Mapping[str, Any]]] = (),
 ) -> dict[str, Any]:
     """The summary JSON. sweep_trials: one {"capacity_req_s", "capacity_still_rising", "levels"} per trial;
-    closed_trials: for each trial, its closed-loop level summaries (PREFIX_CACHE_KEYS folded too where
-    a level has them); offline_trials: each trial's offline section (an `offline` key only when there
+    closed_trials: for each trial, its closed-loop level summaries (OPTIONAL_CLOSED_LOOP_KEYS folded too
+    where a level has them); offline_trials: each trial's offline section (an `offline` key only when there
     is one)."""
     extra = [
         key
-        for key in PREFIX_CACHE_KEYS
+        for key in OPTIONAL_CLOSED_LOOP_KEYS
         if any(_number(level.get(key)) for levels in closed_trials for level in levels)
     ]
     summary: dict[str, Any] = dict(header)

@@ -14,6 +14,7 @@ import pytest
 from bench.budgets import check_closed, check_sweep
 from bench.metrics import describe_failures
 from bench.runner import run_closed_loop, run_sweep, sweep_failures
+from bench.server_metrics import FIRST_TOKEN_KEYS, first_token_figures, first_token_names, read_settled_totals
 from bench.trials import CLOSED_LOOP_KEYS, OPEN_LOOP_KEYS, fold_levels
 
 pytestmark = pytest.mark.perf
@@ -71,9 +72,18 @@ def test_closed_loop(benchmark, server, target, mode, workload, profile, concurr
     noted: list[str] = []
 
     def trial() -> None:
+        # the server's own split of the time to first token, where its /metrics has one
+        before = read_settled_totals(server.endpoint, first_token_names())
         result = run_closed_loop(server.endpoint, workload, concurrency, profile.closed_load)
+        after = read_settled_totals(server.endpoint, first_token_names())
         failed.extend(describe_failures(result.rows))
-        trials.append({"concurrency": concurrency, **{k: result.summary[k] for k in CLOSED_LOOP_KEYS}})
+        trials.append(
+            {
+                "concurrency": concurrency,
+                **{k: result.summary[k] for k in CLOSED_LOOP_KEYS},
+                **first_token_figures(before, after),
+            }
+        )
         if result.summary.get("prompt_tokens_mismatched"):
             noted.append(prompt_tokens_note(result.summary))
         if result.summary.get("no_text"):
@@ -85,7 +95,8 @@ def test_closed_loop(benchmark, server, target, mode, workload, profile, concurr
     benchmark.pedantic(trial, rounds=perf.trials, iterations=1)
     record = recorder.record(target, mode)
     record.closed_trials[concurrency] = trials
-    folded = fold_levels([[t] for t in trials], "concurrency", CLOSED_LOOP_KEYS)[0]
+    keys = (*CLOSED_LOOP_KEYS, *(key for key in FIRST_TOKEN_KEYS if key in trials[0]))
+    folded = fold_levels([[t] for t in trials], "concurrency", keys)[0]
     benchmark.extra_info.update(
         folded, target=target, sampling=record.header["sampling"], mode=mode, case="closed_loop"
     )
