@@ -108,3 +108,14 @@ def first_token_names() -> tuple[str, ...]:
         if name is not None
         for part in ("count", "sum")
     )
+
+
+def describe_first_token(level: dict[str, float]) -> str:
+    """ ", server TTFT mean 31.2 ms (to core 0.3, queued 1.0, prefill 29.4, delivery 0.5)" for a level
+    with the server's split (the parts it has), "" for one without."""
+    if FIRST_TOKEN_KEYS[0] not in level:
+        return ""
+    names = {"server_to_core_mean_s": "to core", "server_queue_mean_s": "queued"}
+    names |= {"server_prefill_mean_s": "prefill", "server_delivery_mean_s": "delivery"}
+    parts = ", ".join(f"{label} {level[key] * 1e3:.1f}" for key, label in names.items() if key in level)
+    return f", server TTFT mean {level[FIRST_TOKEN_KEYS[0]] * 1e3:.1f} ms" + (f" ({parts})" if parts else "")

@@ -57,6 +57,7 @@ from bench.probe import first_model, probe
 from bench.profiles import PROFILES, Profile, seed_mix
 from bench.report import write_report
 from bench.runner import SweepConfig, run_closed_loop
+from bench.server_metrics import describe_first_token
 from bench.trials import (
     GREEDY,
     PREFIX_MODES,
@@ -723,6 +724,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         for level in summary["closed_loop"]:
             terminalreporter.write_line(
                 f"  concurrency {level['concurrency']:g}: {level['output_tok_s']:.1f} tok/s (min {level['output_tok_s_min']:.1f}, max {level['output_tok_s_max']:.1f}), TTFT p50 {level['ttft_p50_s']:.3f} s, TPOT p50 {level['tpot_p50_s']:.4f} s"
+                + describe_first_token(level)
             )
         for note in record.notes:
             terminalreporter.write_line(f"  {note}")

@@ -9,7 +9,7 @@ import pytest
 
 from bench.__main__ import main
 from bench.launch import ServerProcess, ServerSpec
-from bench.server_metrics import FIRST_TOKEN_KEYS, first_token_figures, metric_totals
+from bench.server_metrics import FIRST_TOKEN_KEYS, describe_first_token, first_token_figures, metric_totals
 from bench.trials import summarize_trials
 
 SERVER_START_DEADLINE_S = 120.0  # a deadline against a server that never gets ready, not a speed
@@ -65,6 +65,16 @@ def test_first_token_parts_are_means_over_the_requests_between_two_reads() -> No
     assert first_token_figures(before, before) == {}
     assert first_token_figures({}, {"http_requests_total": 3.0}) == {}
     assert first_token_figures(None, after) == first_token_figures(before, None) == {}
+
+
+def test_the_terminal_line_names_the_parts_a_server_has() -> None:
+    ours = first_token_figures({}, metric_totals(OURS))
+    assert describe_first_token(ours) == (
+        ", server TTFT mean 100.0 ms (to core 1.0, queued 25.0, prefill 70.0, delivery 4.0)"
+    )
+    vllm = first_token_figures({}, metric_totals(VLLM))
+    assert describe_first_token(vllm) == ", server TTFT mean 150.0 ms (queued 50.0, prefill 70.0)"
+    assert describe_first_token({"output_tok_s": 5.0}) == ""
 
 
 def test_a_summary_folds_the_parts_where_its_levels_have_them() -> None:
