@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ class StepOutput:
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None
+    first_scheduled_time: float | None = None  # on a request's first output only
 
 
 class StandInScheduler:
@@ -45,6 +47,7 @@ class OneTokenAStepEngine:
     def __init__(self) -> None:
         self.scheduler = StandInScheduler()
         self.remaining: dict[str, int] = {}
+        self.started: set[str] = set()  # requests that had their first output
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.remaining)
@@ -62,7 +65,10 @@ class OneTokenAStepEngine:
             last = self.remaining[request_id] == 0
             if last:
                 del self.remaining[request_id]
-            outputs.append(StepOutput(request_id, [7], last, "length" if last else None))
+            first = request_id not in self.started
+            self.started.add(request_id)
+            scheduled = time.monotonic() if first else None
+            outputs.append(StepOutput(request_id, [7], last, "length" if last else None, scheduled))
         return outputs
 
     def stats(self) -> EngineStats:
