@@ -19,17 +19,28 @@ from bench.client import Endpoint
 
 TIMEOUT_S = 30.0
 
-# (level figure, this project's histogram, vLLM's histogram or None): the mean over the requests whose
-# first token came during the level, in seconds. The server's TTFT counts from when its API process
-# handed the request on (after parsing and tokenizing), so it is shorter than the client's.
-FIRST_TOKEN_PARTS: tuple[tuple[str, str, str | None], ...] = (
-    ("server_ttft_mean_s", "engine_time_to_first_token_seconds", "vllm:time_to_first_token_seconds"),
-    ("server_to_core_mean_s", "server_request_to_core_seconds", None),
-    ("server_queue_mean_s", "engine_request_queue_time_seconds", "vllm:request_queue_time_seconds"),
-    ("server_prefill_mean_s", "engine_request_prefill_time_seconds", "vllm:request_prefill_time_seconds"),
-    ("server_delivery_mean_s", "server_first_token_delivery_seconds", None),
+# (level figure, its label on the terminal, this project's histogram, vLLM's histogram or None): the
+# mean over the requests whose first token came during the level, in seconds. The server's TTFT counts
+# from when its API process handed the request on (after parsing and tokenizing), so it is shorter
+# than the client's; the parts after it add up to it.
+FIRST_TOKEN_PARTS: tuple[tuple[str, str, str, str | None], ...] = (
+    (
+        "server_ttft_mean_s",
+        "server TTFT mean",
+        "engine_time_to_first_token_seconds",
+        "vllm:time_to_first_token_seconds",
+    ),
+    ("server_to_core_mean_s", "to core", "server_request_to_core_seconds", None),
+    ("server_queue_mean_s", "queued", "engine_request_queue_time_seconds", "vllm:request_queue_time_seconds"),
+    (
+        "server_prefill_mean_s",
+        "prefill",
+        "engine_request_prefill_time_seconds",
+        "vllm:request_prefill_time_seconds",
+    ),
+    ("server_delivery_mean_s", "delivery", "server_first_token_delivery_seconds", None),
 )
-FIRST_TOKEN_KEYS = tuple(key for key, _, _ in FIRST_TOKEN_PARTS)
+FIRST_TOKEN_KEYS = tuple(key for key, _, _, _ in FIRST_TOKEN_PARTS)
 
 
 def metric_totals(text: str) -> dict[str, float]:
@@ -87,7 +98,7 @@ def first_token_figures(before: dict[str, float] | None, after: dict[str, float]
     if before is None or after is None:
         return {}
     figures = {}
-    for key, ours, vllms in FIRST_TOKEN_PARTS:
+    for key, _, ours, vllms in FIRST_TOKEN_PARTS:
         for name in (ours, vllms):
             if name is None or f"{name}_count" not in after:
                 continue
@@ -103,7 +114,7 @@ def first_token_names() -> tuple[str, ...]:
     """The samples first_token_figures reads (for read_settled_totals)."""
     return tuple(
         f"{name}_{part}"
-        for _, ours, vllms in FIRST_TOKEN_PARTS
+        for _, _, ours, vllms in FIRST_TOKEN_PARTS
         for name in (ours, vllms)
         if name is not None
         for part in ("count", "sum")
@@ -113,9 +124,8 @@ def first_token_names() -> tuple[str, ...]:
 def describe_first_token(level: dict[str, float]) -> str:
     """ ", server TTFT mean 31.2 ms (to core 0.3, queued 1.0, prefill 29.4, delivery 0.5)" for a level
     with the server's split (the parts it has), "" for one without."""
-    if FIRST_TOKEN_KEYS[0] not in level:
+    (total_key, total_label, _, _), *part_rows = FIRST_TOKEN_PARTS
+    if total_key not in level:
         return ""
-    names = {"server_to_core_mean_s": "to core", "server_queue_mean_s": "queued"}
-    names |= {"server_prefill_mean_s": "prefill", "server_delivery_mean_s": "delivery"}
-    parts = ", ".join(f"{label} {level[key] * 1e3:.1f}" for key, label in names.items() if key in level)
-    return f", server TTFT mean {level[FIRST_TOKEN_KEYS[0]] * 1e3:.1f} ms" + (f" ({parts})" if parts else "")
+    parts = ", ".join(f"{label} {level[key] * 1e3:.1f}" for key, label, _, _ in part_rows if key in level)
+    return f", {total_label} {level[total_key] * 1e3:.1f} ms" + (f" ({parts})" if parts else "")
