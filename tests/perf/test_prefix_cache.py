@@ -19,7 +19,7 @@ from bench.budgets import check_closed
 from bench.metrics import describe_failures
 from bench.prefix import run_fresh_level
 from bench.profiles import prefix_workload
-from bench.trials import CLOSED_LOOP_KEYS, PREFIX_CACHE_KEYS, fold_levels
+from bench.trials import CLOSED_LOOP_KEYS, OPTIONAL_CLOSED_LOOP_KEYS, PREFIX_CACHE_KEYS, fold_levels
 
 pytestmark = pytest.mark.perf
 
@@ -49,7 +49,7 @@ def test_prefix_cache(benchmark, cached_server, target, mode, profile, concurren
     benchmark.pedantic(trial, rounds=perf.trials, iterations=1)
     record = recorder.record(target, mode)
     record.closed_trials[concurrency] = trials
-    keys = (*CLOSED_LOOP_KEYS, *(key for key in PREFIX_CACHE_KEYS if key in trials[0]))
+    keys = (*CLOSED_LOOP_KEYS, *(key for key in OPTIONAL_CLOSED_LOOP_KEYS if key in trials[0]))
     folded = fold_levels([[t] for t in trials], "concurrency", keys)[0]
     benchmark.extra_info.update(folded, target=target, mode=mode, case="prefix_cache", prefix_cache=True)
     rate = folded.get("prefix_cache_hit_rate", math.nan)

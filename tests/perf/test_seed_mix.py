@@ -14,8 +14,8 @@ import pytest
 from bench.budgets import check_closed, check_sweep
 from bench.metrics import describe_failures
 from bench.runner import run_closed_loop, run_sweep, sweep_failures
-from bench.server_metrics import FIRST_TOKEN_KEYS, first_token_figures, first_token_names, read_settled_totals
-from bench.trials import CLOSED_LOOP_KEYS, OPEN_LOOP_KEYS, fold_levels
+from bench.server_metrics import first_token_figures, first_token_names, read_settled_totals
+from bench.trials import CLOSED_LOOP_KEYS, OPEN_LOOP_KEYS, OPTIONAL_CLOSED_LOOP_KEYS, fold_levels
 
 pytestmark = pytest.mark.perf
 
@@ -95,7 +95,7 @@ def test_closed_loop(benchmark, server, target, mode, workload, profile, concurr
     benchmark.pedantic(trial, rounds=perf.trials, iterations=1)
     record = recorder.record(target, mode)
     record.closed_trials[concurrency] = trials
-    keys = (*CLOSED_LOOP_KEYS, *(key for key in FIRST_TOKEN_KEYS if key in trials[0]))
+    keys = (*CLOSED_LOOP_KEYS, *(key for key in OPTIONAL_CLOSED_LOOP_KEYS if key in trials[0]))
     folded = fold_levels([[t] for t in trials], "concurrency", keys)[0]
     benchmark.extra_info.update(
         folded, target=target, sampling=record.header["sampling"], mode=mode, case="closed_loop"
