@@ -1,5 +1,5 @@
 """Micro-benchmark of paged prefill attention on CUDA at qwen2.5-1.5b's shapes (12 query heads, 2 KV heads,
-head_dim 128, block 16, bf16): ms a launch, causal TFLOP/s against a measured bf16 matmul ceiling, and the
+head_dim 128, block 16, bf16): ms a launch (replayed in a CUDA graph, as the engine runs it), causal TFLOP/s against a measured bf16 matmul ceiling, and the
 time of the torch path it replaces (per-sequence SDPA in a Python loop, as engine/attention/torch_backend.py
 does). `python -m engine.kernels.bench_prefill [--json PATH] [--sweep] [--against FILE] [--case TEXT ...]`;
 `--sweep` also times other tiles, to tune prefill_attention._default_tile (54 tiles compiled and timed a
@@ -27,6 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.kernels.ceilings import matmul_tflops
 from engine.kernels.prefill_attention import _paged_prefill_attention, paged_prefill_attention
+from engine.kernels.timing import eager_ms, graph_ms
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 12, 2, 128, 16, torch.bfloat16
 # (name, [(tokens cached before, chunk length)] of one step)
@@ -52,9 +53,16 @@ def _slots(table: torch.Tensor, length: int) -> torch.Tensor:
     return table[positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE
 
 
-def time_ms(call: Callable[[], object], rep_ms: int = 300) -> float:
-    """Median milliseconds a call (eager launches, L2 flushed between calls), after warm-up."""
-    return float(triton.testing.do_bench(call, warmup=50, rep=rep_ms, return_mode="median"))
+def kernel_ms(call: Callable[[], object]) -> float:
+    """Median milliseconds of a launch of the kernel replayed in a CUDA graph, as the engine's graphs run
+    it: no launch overhead, so a small case (one prompt of a few hundred tokens, a few microseconds of
+    GPU work) times the kernel, not Python's ~20 us a launch."""
+    return graph_ms([call], rounds=5, replays=20)
+
+
+def torch_path_ms(call: Callable[[], object]) -> float:
+    """Median milliseconds of the torch path, launched from Python as the torch backend runs it."""
+    return eager_ms(call, repeats=10)
 
 
 class Step:
@@ -158,8 +166,8 @@ def bench_case(
     step = Step(chunks, device)
     flops = step.causal_flops()
     difference = (step.run_triton().float() - step.run_torch().float()).abs().max().item()
-    triton_ms = time_ms(step.run_triton)
-    torch_ms = time_ms(step.run_torch)
+    triton_ms = kernel_ms(step.run_triton)
+    torch_ms = torch_path_ms(step.run_torch)
     tflops = flops / triton_ms / 1e9
     print(
         f"{name:<24} {sum(q for _, q in chunks):>7} {triton_ms:>9.3f} {tflops:>8.1f} "
@@ -185,8 +193,8 @@ def bench_case(
         agreement = (step.run_triton().float() - run_against().float()).abs().max().item()
         this_ms, other_ms = [], []
         for _ in range(3):
-            this_ms.append(time_ms(step.run_triton))
-            other_ms.append(time_ms(run_against))
+            this_ms.append(kernel_ms(step.run_triton))
+            other_ms.append(kernel_ms(run_against))
         this, other = sorted(this_ms)[1], sorted(other_ms)[1]
         print(
             f"    against {against.__file__}: {other:.3f} ms ({flops / other / 1e9:.1f} TFLOP/s), "
@@ -238,8 +246,7 @@ def sweep_case(step: Step, flops: int) -> list[dict]:
     timed: list[tuple[float, tuple[int, int, int, int]]] = []
     for tile in SWEEP_TILES:
         try:
-            # a shorter run a tile: the sweep times 54 tiles a case
-            timed.append((time_ms(functools.partial(step.run_triton, tile), rep_ms=100), tile))
+            timed.append((kernel_ms(functools.partial(step.run_triton, tile)), tile))
             # each tile as it is timed: a sweep cut short by a time limit still shows what it measured
             print(f"    tile {tile}: {timed[-1][0]:.3f} ms", flush=True)
         except Exception as error:  # a tile that does not fit (shared memory, registers)
