@@ -12,11 +12,14 @@
 # usage: scripts/option_trials.sh MODEL_DIR OUT_DIR SET [SET...]
 #   SET: space-separated NAME=VALUE engine options (EngineArgs fields); '' is the defaults. E.g.
 #   scripts/option_trials.sh /tmp/qwen out '' 'mixed_graph_ladder_steps=8' 'mixed_graph_max_tokens=8192'
+# A discarded run of the first set comes before round 1 (DISCARD_FIRST=0 leaves it out): on a fresh
+# machine the first engine run's host phases ran 20-40% slower (schedule 0.35 vs 0.25 ms a step, an H100
+# of 2026-12-06), which would fall on whichever set runs first.
 # env:   CONCURRENCY (128), DURATION (20: seconds of new requests), WARMUP (64 requests), ROUNDS (1),
 #        DTYPE (bfloat16; float32 for the engine on CPU), OFFLINE_ARGS (more `bench offline` flags,
 #        e.g. --prefill-prompts 64 for the prefill probe too), RUN_TIMEOUT (300 s a run)
 # Writes OUT_DIR/rR-K/ (run.json, requests.csv) and OUT_DIR/rR-K.log for round R and set K (1 is the
-# first), OUT_DIR/compare-rR-K.txt, and OUT_DIR/sets.txt (K and its options).
+# first; r0-1 is the discarded run), OUT_DIR/compare-rR-K.txt, and OUT_DIR/sets.txt (K and its options).
 # Exit status 0 when every run succeeded, 1 otherwise (the others still run), 2 for bad usage.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -46,11 +49,15 @@ run_set() {  # ROUND K
     --duration "${DURATION:-20}" --warmup "${WARMUP:-64}" --single-tokens 0 --prefill-prompts 0 \
     ${OFFLINE_ARGS:-} "${options[@]}" --out "$out/$name" >"$out/$name.log" 2>&1
   local rc=$?
-  echo "round $round, set $((k + 1)) (${sets[$k]:-defaults}): rc $rc"
+  if [ "$round" -eq 0 ]; then echo "discarded warm-up run, set 1 (${sets[$k]:-defaults}): rc $rc"
+  else echo "round $round, set $((k + 1)) (${sets[$k]:-defaults}): rc $rc"; fi
   grep -E "^closed-|^prefill" "$out/$name.log" | sed 's/^/  /'
   [ $rc -eq 0 ] || status=1
 }
 
+if [ "${DISCARD_FIRST:-1}" != 0 ]; then
+  run_set 0 0  # written as r0-1: not compared, not a round
+fi
 for round in $(seq 1 "${ROUNDS:-1}"); do
   order=("${!sets[@]}")
   if [ $((round % 2)) -eq 0 ]; then  # even rounds in reverse
