@@ -1,12 +1,14 @@
 """Micro-benchmark of paged prefill attention on CUDA at qwen2.5-1.5b's shapes (12 query heads, 2 KV heads,
 head_dim 128, block 16, bf16): ms a launch (replayed from a CUDA graph, as the engine runs it), causal
-TFLOP/s against a measured bf16 matmul ceiling, and the time of the torch path it replaces (per-sequence SDPA in a Python loop, as engine/attention/torch_backend.py
-does). `python -m engine.kernels.bench_prefill [--json PATH] [--sweep] [--against FILE] [--case TEXT ...]`;
+TFLOP/s against a measured bf16 matmul ceiling, and the time of the torch path it replaces (per-sequence
+SDPA in a Python loop, as engine/attention/torch_backend.py does).
+
+`python -m engine.kernels.bench_prefill [--json PATH] [--sweep] [--against FILE] [--case TEXT ...]`;
 `--sweep` also times other tiles, to tune prefill_attention._default_tile (54 tiles compiled and timed a
-case: minutes a case, so `--case 4096` sweeps only the cases whose name holds that text); `--against FILE` times another version of
-the kernel's module beside this one on every case, in the same process (e.g. the one a commit had:
-`git show REF:engine/kernels/prefill_attention.py > FILE`), so a change is measured against what it
-replaces on one GPU.
+case: minutes a case, so `--case 4096` sweeps only the cases whose name holds that text); `--against
+FILE` times another version of the kernel's module beside this one on every case, in the same process
+(e.g. the one a commit had: `git show REF:engine/kernels/prefill_attention.py > FILE`), so a change is
+measured against what it replaces on one GPU.
 """
 
 from __future__ import annotations
