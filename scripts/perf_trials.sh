@@ -9,9 +9,13 @@
 #   python -m bench merge perf-out/t*/vllm/vllm-seed-mix.json --out baselines/<gpu>/<model>/vllm-seed-mix.json
 # With PERF_K=sweep (only the sweeps), fold them in with `bench merge ... --sweep-from perf-out/s*/...`.
 # The two targets share the host's CPUs while they run; the trials' spread shows what that costs.
+# With ONE_GPU=1 the targets take turns on GPU 0 instead, each with the GPU and the host to itself:
+# start its server, its trial, stop it (a server holding ~90% of the GPU's memory leaves no room for
+# the other), in the order of TARGETS; each invocation then pays each server's start.
 #
 # usage: scripts/perf_trials.sh NAME [MODEL] [PROFILE]   (defaults: qwen2.5-1.5b, full)
-# env:   VLLM_GPU (0), ENGINE_GPU (1), TARGETS ("vllm engine"), PERF_TIMEOUT (seconds per trial; 0, the default, for none),
+# env:   VLLM_GPU (0), ENGINE_GPU (1), TARGETS ("vllm engine"), ONE_GPU (0; 1: one target at a time on GPU 0),
+#        PERF_TIMEOUT (seconds per trial; 0, the default, for none),
 #        PERF_K (a pytest -k expression: only those cases),
 #        PERF_DTYPE (bfloat16; float32 for the engine on CPU), PERF_VLLM_ENV (a staged vLLM's env file; see bench/launch.py)
 # Writes perf-out/NAME/TARGET/ (summary JSON, benchmark JSON, report) and perf-out/NAME/TARGET.log.
@@ -36,7 +40,11 @@ try: sys.exit(0 if healthy(str(load_server_info(sys.argv[1])["base_url"]), 5.0) 
 except ValueError: sys.exit(1)' "$1"
 }
 
-gpu_of() { if [ "$1" = engine ]; then echo "${ENGINE_GPU:-1}"; else echo "${VLLM_GPU:-0}"; fi; }
+gpu_of() {
+  if [ "${ONE_GPU:-0}" = 1 ]; then echo 0
+  elif [ "$1" = engine ]; then echo "${ENGINE_GPU:-1}"
+  else echo "${VLLM_GPU:-0}"; fi
+}
 
 start_server() {  # TARGET: unless its server is up already
   local target=$1 info=$root/$1-server.json
@@ -54,6 +62,32 @@ trial() {  # TARGET: one trial against its running server
     --benchmark-json "$root/$name/$target/benchmark.json" -q -rs -p no:cacheprovider ${PERF_K:+-k "$PERF_K"}
 }
 
+stop_server() {  # TARGET: its server's process group, as `bench serve` started it
+  local pid
+  pid=$(python3 -c 'import sys; from bench.launch import load_server_info
+print(load_server_info(sys.argv[1])["pid"])' "$root/$1-server.json") || return 1
+  kill -TERM -- "-$pid" 2>/dev/null
+  for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || return 0; sleep 1; done
+  kill -KILL -- "-$pid" 2>/dev/null
+}
+
+report() {  # TARGET: the tier's closing table of its trial
+  echo "== $1 (exit status in log: $root/$name/$1.log)"
+  sed -n '/perf: figures and budgets/,$p' "$root/$name/$1.log" | tail -n 20
+}
+
+if [ "${ONE_GPU:-0}" = 1 ]; then
+  status=0
+  for target in ${TARGETS:-vllm engine}; do
+    start_server "$target" >"$root/$name/$target-start.log" 2>&1 || { cat "$root/$name/$target-start.log"; exit 3; }
+    cat "$root/$name/$target-start.log"
+    trial "$target" >"$root/$name/$target.log" 2>&1 || status=1
+    stop_server "$target"
+    report "$target"
+  done
+  exit $status
+fi
+
 # All servers first, then the trials side by side: a trial never shares the host with a server's start.
 pids=()
 for target in ${TARGETS:-vllm engine}; do
@@ -69,8 +103,5 @@ for target in ${TARGETS:-vllm engine}; do
 done
 status=0
 for pid in "${pids[@]}"; do wait "$pid" || status=1; done
-for target in ${TARGETS:-vllm engine}; do
-  echo "== $target (exit status in log: $root/$name/$target.log)"
-  sed -n '/perf: figures and budgets/,$p' "$root/$name/$target.log" | tail -n 20
-done
+for target in ${TARGETS:-vllm engine}; do report "$target"; done
 exit $status
