@@ -29,7 +29,14 @@ from bench.compare import DEFAULT_MAX_DROP, EXIT_BAD_INPUT, compare_results, par
 from bench.fidelity import DEFAULT_TOLERANCE_PCT, Run, describe, summarize_runs
 from bench.host_cost import add_arguments as add_host_cost_arguments
 from bench.host_cost import run as run_host_cost
-from bench.launch import MAX_MODEL_LEN, ServerProcess, ServerSpec, stop_servers_on_sigterm
+from bench.launch import (
+    MAX_MODEL_LEN,
+    ServerProcess,
+    ServerSpec,
+    load_server_info,
+    stop_described_server,
+    stop_servers_on_sigterm,
+)
 from bench.metrics import parse_slo
 from bench.offline import (
     OfflineConfig,
@@ -297,7 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="start a target's server as the perf tier defines it, wait for /health, leave it running",
         description="Starts the server in its own process session, so it outlives this command, and "
         "writes a description (URL, flags, pid, start-up time) for `pytest -m perf --server-info`. "
-        "Stop it with `kill -TERM -- -PID`. vLLM is started through $PERF_VLLM_ENV when that is set.",
+        "Stop it with `python -m bench stop --info FILE`. vLLM is started through $PERF_VLLM_ENV when "
+        "that is set.",
     )
     serve.add_argument("--target", choices=["engine", "vllm"], required=True)
     serve.add_argument("--model", required=True, help="model folder")
@@ -322,6 +330,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for /health")
     serve.add_argument("--log", help="server log (default perf-out/TARGET-server.log)")
     serve.add_argument("--info", help="description JSON to write (default perf-out/TARGET-server.json)")
+
+    stop = commands.add_parser(
+        "stop",
+        help="stop a server `bench serve` left running: SIGTERM to its process group, SIGKILL after --grace",
+    )
+    stop.add_argument("--info", required=True, help="the description `bench serve` wrote")
+    stop.add_argument("--grace", type=float, default=60.0, help="seconds to drain before SIGKILL")
 
     offline = commands.add_parser(
         "offline",
@@ -536,7 +551,21 @@ def command_serve(args: argparse.Namespace) -> int:
     info_path.write_text(json.dumps(info, indent=2) + "\n")
     print(
         f"{args.target} ready at {spec.base_url} after {process.ready_after_s:.1f} s; pid {info['pid']}; "
-        f"described in {info_path}; stop with: kill -TERM -- -{info['pid']}"
+        f"described in {info_path}; stop with: python -m bench stop --info {info_path}"
+    )
+    return 0
+
+
+def command_stop(args: argparse.Namespace) -> int:
+    try:
+        was_running = stop_described_server(load_server_info(args.info), args.grace)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"stopped the server of {args.info}"
+        if was_running
+        else f"the server of {args.info} had already stopped"
     )
     return 0
 
@@ -689,6 +718,8 @@ def dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return command_merge(args, parser)
     if args.command == "serve":
         return command_serve(args)
+    if args.command == "stop":
+        return command_stop(args)
     if args.command == "offline":
         return command_offline(args, parser)
     if args.command == "fidelity-summary":

@@ -8,6 +8,7 @@ whatever else the staged site needs).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -329,6 +330,40 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _running(pid: int) -> bool:
+    """Whether pid is a live process (not gone, not a zombie waiting for its parent to reap it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # Linux: a zombie's state, the field after the name in parentheses, is Z
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def stop_described_server(info: dict[str, object], grace_s: float = 30.0) -> bool:
+    """Stop a server `bench serve` left running, from its description: SIGTERM to its process group
+    (the server drains), SIGKILL to the group after grace_s, as ServerProcess.stop does for a server
+    this process holds. Returns whether it was still running."""
+    pid = info.get("pid")
+    if not isinstance(pid, int) or pid <= 0:
+        raise ValueError(f"the server description has no pid: {pid!r}")
+    if not _running(pid):
+        return False
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return False
+    deadline = time.monotonic() + grace_s
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if _running(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+    return True
 
 
 def load_server_info(path: str | Path) -> dict[str, object]:

@@ -61,8 +61,7 @@ for target in ${TARGETS:-vllm engine}; do
         >"$out/$tag-$run.cpu"
     done
   done
-  kill -TERM -- "-$pid" 2>/dev/null
-  for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+  python3 -m bench stop --info "$info"
 done
 python3 - "$out" <<'PY'
 import json, statistics, sys

@@ -62,15 +62,6 @@ trial() {  # TARGET: one trial against its running server
     --benchmark-json "$root/$name/$target/benchmark.json" -q -rs -p no:cacheprovider ${PERF_K:+-k "$PERF_K"}
 }
 
-stop_server() {  # TARGET: its server's process group, as `bench serve` started it
-  local pid
-  pid=$(python3 -c 'import sys; from bench.launch import load_server_info
-print(load_server_info(sys.argv[1])["pid"])' "$root/$1-server.json") || return 1
-  kill -TERM -- "-$pid" 2>/dev/null
-  for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || return 0; sleep 1; done
-  kill -KILL -- "-$pid" 2>/dev/null
-}
-
 report() {  # TARGET: the tier's closing table of its trial
   echo "== $1 (exit status in log: $root/$name/$1.log)"
   sed -n '/perf: figures and budgets/,$p' "$root/$name/$1.log" | tail -n 20
@@ -82,7 +73,7 @@ if [ "${ONE_GPU:-0}" = 1 ]; then
     start_server "$target" >"$root/$name/$target-start.log" 2>&1 || { cat "$root/$name/$target-start.log"; exit 3; }
     cat "$root/$name/$target-start.log"
     trial "$target" >"$root/$name/$target.log" 2>&1 || status=1
-    stop_server "$target"
+    python3 -m bench stop --info "$root/$target-server.json"
     report "$target"
   done
   exit $status

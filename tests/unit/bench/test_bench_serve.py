@@ -78,7 +78,55 @@ def test_serve_leaves_the_server_running_and_describes_it(served_engine):
     config = httpx.get(f"{root}/version", timeout=10).json()["config"]
     assert config["max_model_len"] == MAX_MODEL_LEN and config["dtype"] == "float32"
     assert config["max_num_seqs"] == 8
-    assert info["ready_after_s"] > 0 and f"kill -TERM -- -{info['pid']}" in stdout
+    assert info["ready_after_s"] > 0 and "python -m bench stop --info" in stdout
+
+
+def live_group_members(pgid: int) -> list[int]:
+    """The processes of a process group that are running (not gone, and not zombies waiting for
+    whoever inherited them to reap them), read from /proc."""
+    live = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone while being read
+        state, process_group = fields[0], int(fields[2])
+        if process_group == pgid and state != "Z":
+            live.append(int(stat.parent.name))
+    return live
+
+
+def run_bench_stop(info_path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "bench", "stop", "--info", str(info_path), "--grace", "30"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=90,
+    )
+
+
+def test_stop_ends_the_served_server_and_its_process_group(served_engine):
+    """`bench stop` ends what `bench serve` left running (the API process and its engine core: the
+    whole process group), says so, and on a second call says it had already stopped."""
+    info, info_path, _ = served_engine
+    pid = int(info["pid"])
+    done = run_bench_stop(info_path)
+    assert done.returncode == 0, done.stderr
+    assert "stopped the server" in done.stdout
+    assert live_group_members(pid) == []
+    root = str(info["base_url"]).removesuffix("/v1")
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{root}/health", timeout=5)
+    again = run_bench_stop(info_path)
+    assert again.returncode == 0 and "had already stopped" in again.stdout
+
+
+def test_stop_refuses_a_description_without_a_pid(tmp_path):
+    info_path = tmp_path / "server.json"
+    info_path.write_text(json.dumps({"target": "engine", "base_url": "http://127.0.0.1:1/v1", "args": []}))
+    done = run_bench_stop(info_path)
+    assert done.returncode == 2 and "no pid" in done.stderr
 
 
 def test_perf_tier_measures_a_served_server_records_its_flags_and_leaves_it_up(
