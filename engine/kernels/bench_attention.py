@@ -22,6 +22,11 @@ from engine.kernels.timing import graph_ms
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 12, 2, 128, 16, torch.bfloat16
 DECODE_CASES = [(1, 1024), (1, 4096), (64, 1024), (256, 1024), (256, 2048)]  # (batch, context)
+# (decodes, context, rows): the decode kernel as a mixed step's CUDA graph launches it, over every row the
+# step may decode (min(tokens, max_num_seqs): 257 offline at 256, 1,024 in the server) of which the rest are empty (context 0),
+# with the split count fixed at capture; timed at each of MIXED_SPLITS.
+MIXED_CASES = [(128, 1024, 257), (64, 1024, 257), (192, 1024, 257), (128, 1024, 1024)]
+MIXED_SPLITS = (1, 2, 3, 4)
 STORE_CASES = [1, 256, 8192]  # tokens
 # Each timed graph touches at least this many bytes (up to MAX_COPIES calls over distinct blocks), so the
 # 50 MB L2 cannot serve a call from the previous one: as in a real step, where 28 layers take turns.
@@ -32,10 +37,12 @@ SWEEP_TILES = [(n, w, s) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 
 
 
 def decode_setup(
-    batch: int, context: int, device: torch.device
+    batch: int, context: int, device: torch.device, rows: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, list, int]:
     """(query, kv_cache, per-copy (block_tables, seq_lens), bytes a call moves). The blocks of every copy
-    are drawn from one random permutation of the cache, as after a long run of allocations and frees."""
+    are drawn from one random permutation of the cache, as after a long run of allocations and frees.
+    rows > batch appends empty rows (context 0, table of block 0), as a mixed step's graph has."""
+    rows = batch if rows is None else rows
     element = torch.finfo(DTYPE).bits // 8
     kv_bytes = batch * context * NUM_KV_HEADS * HEAD_DIM * element * 2  # K and V
     blocks_per_seq = triton.cdiv(context, BLOCK_SIZE)
@@ -43,10 +50,14 @@ def decode_setup(
     num_blocks = copies * batch * blocks_per_seq
     kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
     order = torch.randperm(num_blocks, device=device).to(torch.int32).view(copies, batch, blocks_per_seq)
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    tables = [(order[copy].contiguous(), seq_lens) for copy in range(copies)]
-    query = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
-    moved = kv_bytes + 2 * query.numel() * element + batch * blocks_per_seq * 4  # + q, out, block table
+    seq_lens = torch.zeros(rows, dtype=torch.int32, device=device)
+    seq_lens[:batch] = context
+    padded = torch.zeros(copies, rows, blocks_per_seq, dtype=torch.int32, device=device)
+    padded[:, :batch] = order
+    tables = [(padded[copy].contiguous(), seq_lens) for copy in range(copies)]
+    query = torch.randn(rows, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+    # + q, out and the block table of the decodes
+    moved = kv_bytes + 2 * batch * NUM_HEADS * HEAD_DIM * element + batch * blocks_per_seq * 4
     return query, kv_cache, tables, moved
 
 
@@ -57,6 +68,44 @@ def bench_decode(device: torch.device, num_sms: int, ceiling: float, sweep: bool
         decode_case(batch, context, device, num_sms, ceiling, sweep) for batch, context in DECODE_CASES
     ]
     torch.cuda.empty_cache()
+    return results
+
+
+def bench_mixed(device: torch.device, ceiling: float) -> list[dict]:
+    """The decode kernel over a mixed graph's rows, some empty, at each split count in MIXED_SPLITS."""
+    print("\npaged_decode_attention in a mixed step's graph (rows past the decodes are empty)")
+    print(f"{'decodes':>8} {'rows':>5} {'context':>8} {'splits':>6} {'ms':>9} {'GB/s':>8} {'of copy':>8}")
+    results = [
+        figure
+        for batch, context, rows in MIXED_CASES
+        for figure in mixed_case(batch, context, rows, device, ceiling)
+    ]
+    torch.cuda.empty_cache()
+    return results
+
+
+def mixed_case(batch: int, context: int, rows: int, device: torch.device, ceiling: float) -> list[dict]:
+    query, kv_cache, tables, moved = decode_setup(batch, context, device, rows)
+    out = torch.empty_like(query)
+    scale = HEAD_DIM**-0.5
+    results = []
+    for splits in MIXED_SPLITS:
+        calls = [
+            (lambda t=block_tables, n=seq_lens, s=splits: paged_decode_attention(
+                query, kv_cache[0], kv_cache[1], t, n, scale, s, out=out
+            ))
+            for block_tables, seq_lens in tables
+        ]  # fmt: skip
+        milliseconds = graph_ms(calls, ROUNDS, REPLAYS)
+        gbps = moved / milliseconds / 1e6
+        print(
+            f"{batch:>8} {rows:>5} {context:>8} {splits:>6} {milliseconds:>9.4f} {gbps:>8.0f} "
+            f"{gbps / ceiling:>8.1%}"
+        )
+        results.append(
+            {"decodes": batch, "rows": rows, "context": context, "num_splits": splits, "ms": milliseconds,
+             "bytes": moved, "gbps": gbps, "fraction_of_copy": gbps / ceiling}
+        )  # fmt: skip
     return results
 
 
@@ -184,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         "triton": triton.__version__,
         "copy_gbps": ceiling,
         "decode": bench_decode(device, properties.multi_processor_count, ceiling, args.sweep),
+        "decode_mixed": bench_mixed(device, ceiling),
         "store_kv": bench_store(device, ceiling),
     }
     if args.json is not None:
