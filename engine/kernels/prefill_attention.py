@@ -203,26 +203,26 @@ def _check_inputs(
 
 
 def _default_tile(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages), chosen by reasoning; `python -m
-    engine.kernels.bench_prefill --sweep` measures the others. On an H100 (2026-12-06): 2 prompts of
-    4,096 within 2% of the fastest of 54 tiles; replayed in graphs, 64 x 64 with 4 warps and 2 stages
-    ran 0.7-18% faster on 7 of the 8 cases (most on one short prompt, where this tile's 98 programs
-    leave SMs idle), but a closed loop at 128 in flight did not confirm it (run order confounded the
-    one pair): an interleaved A/B of closed loops on the GPU decides it.
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages), chosen by measurement on an H100 (2026-12-06);
+    `python -m engine.kernels.bench_prefill --sweep` measures the others.
 
-    bf16/fp16 at head_dim 128: 128 rows x 64 keys with 8 warps (two warp groups, 64 accumulator
-    registers a thread), 3 stages: Q 32 KiB + 3 x (K 16 KiB + V 16 KiB) = 128 KiB of the H200's 227 KiB
-    shared memory. A 128-row tile does 128 FLOP per byte of K/V it loads; the K/V of one (sequence, KV
-    head) is 2 MiB at 4,096 tokens and is re-read by all that sequence's tiles, so it mostly comes from
-    the 50 MB L2 and the tensor cores, not HBM, set the pace. head_dim <= 64 halves every buffer: 4 warps
-    suffice; 256 halves the tile. float32 (tests and the interpreter) computes its dots on FMA units:
-    32 x 32 tiles avoid register spills."""
+    bf16/fp16 at head_dim 128: 64 rows x 64 keys, 4 warps, 2 stages (Q 16 KiB + 2 x (K 16 KiB + V 16 KiB)
+    = 80 KiB of shared memory). A step's prompt is often one chunk of ~1,000 tokens: with GQA group 6 a
+    128-row tile holds 21 tokens, so 1,024 tokens make 98 programs for 132 SMs, and the longest (the last
+    tokens, which see the whole context) sets the kernel's time; 64-row tiles make twice the programs,
+    each step over 64 keys half the work. Replayed in graphs it ran 0.7-18% faster than 128 x 64 / 8 warps / 3 stages
+    on 7 of 8 cases (most on one short prompt; 0.4% slower on 8 x 1,024 at 3,072 cached); a mixed step of
+    128 decodes + 1,024 prompt tokens took 8.68 vs 8.79 ms; closed loops of 128 in flight, three
+    interleaved pairs: 12,743 vs 12,623 output tok/s (+1%). Where many long prompts fill the GPU (2 x 4,096)
+    the 128-row tile's higher FLOP per loaded byte matters more: there the two are within 1%.
+    head_dim <= 64 halves every buffer; 256 halves the tile. float32 (tests and the interpreter) computes
+    its dots on FMA units: 32 x 32 tiles avoid register spills."""
     if dtype == torch.float32:
         return 32, 32, 4, 2
     if head_dim >= 256:
         return 64, 32, 4, 2
     if head_dim >= 128:
-        return 128, 64, 8, 3
+        return 64, 64, 4, 2
     return 128, 64, 4, 3
 
 
