@@ -13,7 +13,9 @@ public API only, and changes nothing.
 it carries a new prompt of N tokens (one request a step, generating one token, so the decode batch
 stays the same). Mixed steps of up to `--mixed-graph-max-tokens` tokens replay a CUDA graph, as in
 the server (0: eager); their GPU-busy fraction and launches per step say whether such a step waits on
-the host's launches or on the GPU, and the top operators where the GPU's time goes.
+the host's launches or on the GPU, and the top operators where the GPU's time goes. The device's idle
+time between its operations is split into short gaps (one kernel after another) and longer ones (the
+device waiting for the host).
 """
 
 from __future__ import annotations
@@ -71,6 +73,42 @@ def device_figures(events: Iterable[Any], steps: int, step_s: float) -> dict[str
         "gpu_busy_fraction": busy_ms / (step_s * 1e3),
         "kernel_launches_per_step": launches / steps,
         "device_kernels_per_step": kernels / steps,
+    }
+
+
+# A gap between two device operations shorter than this is one kernel following another inside a
+# graph replay or a launch queue (~1-3 us each); a longer one is the device waiting for the host.
+SHORT_GAP_US = 5.0
+
+
+def device_idle(events: Iterable[Any], steps: int, short_us: float = SHORT_GAP_US) -> dict[str, float]:
+    """Where the device idles between its first and last operation of the profiled steps, per step: the
+    gaps between operations (overlapping ones merged) shorter than `short_us`, which more kernels or
+    fewer launches would change, and the longer ones, which a faster host would. Why: a step's
+    wall time minus its busy time does not say which of the two it is."""
+    spans = sorted(
+        (event.time_range.start, event.time_range.end)
+        for event in events
+        if event.device_type == DeviceType.CUDA
+    )
+    short_us_total = long_us_total = 0.0
+    short_count = long_count = 0
+    if spans:
+        reach = spans[0][1]
+        for start, end in spans[1:]:
+            gap = start - reach
+            if gap > short_us:
+                long_us_total += gap
+                long_count += 1
+            elif gap > 0:
+                short_us_total += gap
+                short_count += 1
+            reach = max(reach, end)
+    return {
+        "short_gaps_ms_per_step": short_us_total / 1e3 / steps,
+        "short_gaps_per_step": short_count / steps,
+        "long_gaps_ms_per_step": long_us_total / 1e3 / steps,
+        "long_gaps_per_step": long_count / steps,
     }
 
 
@@ -212,9 +250,15 @@ def profile_batch(
         "gpu_busy_fraction": None,
         "kernel_launches_per_step": None,
         "device_kernels_per_step": None,
+        "short_gaps_ms_per_step": None,
+        "short_gaps_per_step": None,
+        "long_gaps_ms_per_step": None,
+        "long_gaps_per_step": None,
     }
     if on_cuda:
-        figures.update(device_figures(prof.events(), steps, step_s))
+        events = prof.events()
+        figures.update(device_figures(events, steps, step_s))
+        figures.update(device_idle(events, steps))
     figures["top_operators"] = top_operators(prof, steps, on_cuda)
     return figures, prof
 
@@ -241,6 +285,12 @@ def report(figures: dict[str, Any], ceiling_gbs: float | None) -> list[str]:
         lines.append(
             f"  GPU busy {figures['gpu_busy_ms_per_step']:.2f} ms per step: {100 * figures['gpu_busy_fraction']:.1f}% of the step's wall time; "
             f"{figures['kernel_launches_per_step']:.0f} kernel launches per step ({figures['device_kernels_per_step']:.0f} kernels ran)"
+        )
+        lines.append(
+            f"  GPU idle between operations {figures['short_gaps_ms_per_step'] + figures['long_gaps_ms_per_step']:.2f} ms "
+            f"per step: {figures['short_gaps_ms_per_step']:.2f} ms in {figures['short_gaps_per_step']:.0f} gaps under "
+            f"{SHORT_GAP_US:.0f} us (one kernel after another), {figures['long_gaps_ms_per_step']:.2f} ms in "
+            f"{figures['long_gaps_per_step']:.0f} longer ones (waiting for the host)"
         )
     else:
         lines.append("  GPU busy: - (no CUDA device: no device figures)")

@@ -16,6 +16,7 @@ from engine.profile import (
     DEFAULT_BATCHES,
     bytes_per_decode_step,
     device_figures,
+    device_idle,
     main,
     steady_step_seconds,
 )
@@ -53,6 +54,26 @@ def test_device_figures_add_up_device_time_and_count_launches_per_step():
         "kernel_launches_per_step": 3.0,
         "device_kernels_per_step": 2.0,
     }
+
+
+def span(start: float, end: float, device: DeviceType = DeviceType.CUDA) -> SimpleNamespace:
+    return SimpleNamespace(name="k", device_type=device, time_range=SimpleNamespace(start=start, end=end))
+
+
+def test_device_idle_splits_short_and_long_gaps_and_merges_overlaps():
+    events = [
+        span(0, 10),
+        span(12, 20),  # 2 us after the first: short
+        span(15, 30),  # overlaps the one before (another stream): no gap
+        span(31, 40),  # 1 us: short
+        span(100, 110),  # 60 us: long, the device waited for the host
+        span(40, 200, DeviceType.CPU),  # host events do not count
+        span(113, 120),  # 3 us: short
+    ]
+    figures = device_idle(events, steps=2)
+    assert figures["short_gaps_per_step"] == 1.5 and figures["short_gaps_ms_per_step"] == pytest.approx(0.003)
+    assert figures["long_gaps_per_step"] == 0.5 and figures["long_gaps_ms_per_step"] == pytest.approx(0.030)
+    assert device_idle([], steps=1)["long_gaps_ms_per_step"] == 0.0
 
 
 def test_profile_cli_prints_and_writes_every_batchs_figures(tiny_model_dir, capsys, tmp_path):
