@@ -22,9 +22,9 @@ from engine.kernels.timing import graph_ms
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 12, 2, 128, 16, torch.bfloat16
 DECODE_CASES = [(1, 1024), (1, 4096), (64, 1024), (256, 1024), (256, 2048)]  # (batch, context)
-# (decodes, context, rows): the decode kernel as a mixed step's CUDA graph launches it, over every row the
-# step may decode (min(tokens, max_num_seqs): 257 offline at 256, 1,024 in the server) of which the rest are empty (context 0),
-# with the split count fixed at capture; timed at each of MIXED_SPLITS.
+# (decodes, context, rows): the decode kernel as a mixed step's CUDA graph launches it, over every row
+# the step may decode (min(tokens, max_num_seqs): 257 offline at 256, 1,024 in the server), the rows
+# past the decodes empty (context 0), the split count fixed at capture; timed at each of MIXED_SPLITS.
 MIXED_CASES = [(128, 1024, 257), (64, 1024, 257), (192, 1024, 257), (128, 1024, 1024)]
 MIXED_SPLITS = (1, 2, 3, 4)
 STORE_CASES = [1, 256, 8192]  # tokens

@@ -209,12 +209,13 @@ def _default_tile(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int
     bf16/fp16 at head_dim 128: 64 rows x 64 keys, 4 warps, 2 stages (Q 16 KiB + 2 x (K 16 KiB + V 16 KiB)
     = 80 KiB of shared memory). A step's prompt is often one chunk of ~1,000 tokens: with GQA group 6 a
     128-row tile holds 21 tokens, so 1,024 tokens make 98 programs for 132 SMs, and the longest (the last
-    tokens, which see the whole context) sets the kernel's time; 64-row tiles make twice the programs,
-    each step over 64 keys half the work. Replayed in graphs it ran 0.7-18% faster than 128 x 64 / 8 warps / 3 stages
-    on 7 of 8 cases (most on one short prompt; 0.4% slower on 8 x 1,024 at 3,072 cached); a mixed step of
-    128 decodes + 1,024 prompt tokens took 8.68 vs 8.79 ms; closed loops of 128 in flight, three
-    interleaved pairs: 12,743 vs 12,623 output tok/s (+1%). Where many long prompts fill the GPU (2 x 4,096)
-    the 128-row tile's higher FLOP per loaded byte matters more: there the two are within 1%.
+    tokens, which see the whole context) sets much of the kernel's time; 64-row tiles make twice the
+    programs, each step over 64 keys half the work. Replayed in graphs it ran 0.7-18% faster than
+    128 x 64 / 8 warps / 3 stages on 7 of 8 cases (most on one short prompt; 0.4% slower on 8 x 1,024 at
+    3,072 cached); a mixed step of 128 decodes + 1,024 prompt tokens took 8.68 vs 8.79 ms; closed loops
+    of 128 in flight, three interleaved pairs: 12,743 vs 12,623 output tok/s (+1%). Where many long
+    prompts fill the GPU (2 x 4,096) the 128-row tile's higher FLOP per loaded byte matters more: there
+    the two are within 1%. Splitting a long tile's keys over programs did not pay (PERFORMANCE.md).
     head_dim <= 64 halves every buffer; 256 halves the tile. float32 (tests and the interpreter) computes
     its dots on FMA units: 32 x 32 tiles avoid register spills."""
     if dtype == torch.float32:
