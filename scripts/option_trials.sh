@@ -12,6 +12,9 @@
 # usage: scripts/option_trials.sh MODEL_DIR OUT_DIR SET [SET...]
 #   SET: space-separated NAME=VALUE engine options (EngineArgs fields); '' is the defaults. E.g.
 #   scripts/option_trials.sh /tmp/qwen out '' 'mixed_graph_ladder_steps=8' 'mixed_graph_max_tokens=8192'
+#   tree=DIR in a set runs it from another source tree (a copy of this one with a kernel's tile, say,
+#   changed: no git needed), with the same model and output folders:
+#   scripts/option_trials.sh /tmp/qwen out '' 'tree=/tmp/tile64' 'tree=/tmp/tile64 max_num_seqs=512'
 # A discarded run of the first set comes before round 1 (DISCARD_FIRST=0 leaves it out): on a fresh
 # machine the first engine run's host phases ran 20-40% slower (schedule 0.35 vs 0.25 ms a step, an H100
 # of 2026-12-06), which would fall on whichever set runs first.
@@ -26,6 +29,7 @@ cd "$(dirname "$0")/.."
 model=${1:?usage: scripts/option_trials.sh MODEL_DIR OUT_DIR SET [SET...]}
 out=${2:?usage: scripts/option_trials.sh MODEL_DIR OUT_DIR SET [SET...]}
 shift 2
+here=$PWD
 if [ $# -lt 1 ]; then
   echo "usage: scripts/option_trials.sh MODEL_DIR OUT_DIR SET [SET...] ('' is the defaults)" >&2
   exit 2
@@ -35,19 +39,38 @@ if [ ! -f "$model/config.json" ]; then
   exit 2
 fi
 sets=("$@")
+for set in "${sets[@]}"; do
+  for option in $set; do
+    case $option in tree=*)
+      if [ ! -f "${option#tree=}/bench/__main__.py" ]; then
+        echo "error: ${option#tree=} is not a source tree of this project (no bench/__main__.py)" >&2
+        exit 2
+      fi
+    esac
+  done
+done
 mkdir -p "$out"
 : >"$out/sets.txt"
 for k in "${!sets[@]}"; do echo "$((k + 1)) ${sets[$k]:-(defaults)}" >>"$out/sets.txt"; done
 status=0
 
+# Run from another tree: the model and output folders as absolute paths.
+model=$(cd "$model" && pwd)
+out=$(cd "$out" && pwd)
+
 run_set() {  # ROUND K
-  local round=$1 k=$2 name="r$1-$(($2 + 1))" options=()
-  for option in ${sets[$k]}; do options+=(--option "$option"); done
+  local round=$1 k=$2 name="r$1-$(($2 + 1))" options=() tree=$here
+  for option in ${sets[$k]}; do
+    case $option in
+      tree=*) tree=${option#tree=} ;;
+      *) options+=(--option "$option") ;;
+    esac
+  done
   # shellcheck disable=SC2086  # OFFLINE_ARGS is a list of flags
-  timeout "${RUN_TIMEOUT:-300}" python3 -m bench offline --target engine --model "$model" \
+  (cd "$tree" && timeout "${RUN_TIMEOUT:-300}" python3 -m bench offline --target engine --model "$model" \
     --dtype "${DTYPE:-bfloat16}" --n-requests 0 --concurrency "${CONCURRENCY:-128}" \
     --duration "${DURATION:-20}" --warmup "${WARMUP:-64}" --single-tokens 0 --prefill-prompts 0 \
-    ${OFFLINE_ARGS:-} "${options[@]}" --out "$out/$name" >"$out/$name.log" 2>&1
+    ${OFFLINE_ARGS:-} "${options[@]}" --out "$out/$name") >"$out/$name.log" 2>&1
   local rc=$?
   if [ "$round" -eq 0 ]; then echo "discarded warm-up run, set 1 (${sets[$k]:-defaults}): rc $rc"
   else echo "round $round, set $((k + 1)) (${sets[$k]:-defaults}): rc $rc"; fi
