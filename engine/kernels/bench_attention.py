@@ -71,32 +71,28 @@ def bench_decode(device: torch.device, num_sms: int, ceiling: float, sweep: bool
     return results
 
 
-def bench_mixed(device: torch.device, ceiling: float) -> list[dict]:
-    """The decode kernel over a mixed graph's rows, some empty, at each split count in MIXED_SPLITS."""
+def bench_mixed(device: torch.device, ceiling: float, sweep: bool = False) -> list[dict]:
+    """The decode kernel over a mixed graph's rows, some empty, at each split count in MIXED_SPLITS;
+    with sweep, the tiles of SWEEP_TILES on the first case too (1 and 2 splits)."""
     print("\npaged_decode_attention in a mixed step's graph (rows past the decodes are empty)")
     print(f"{'decodes':>8} {'rows':>5} {'context':>8} {'splits':>6} {'ms':>9} {'GB/s':>8} {'of copy':>8}")
     results = [
         figure
         for batch, context, rows in MIXED_CASES
-        for figure in mixed_case(batch, context, rows, device, ceiling)
+        for figure in mixed_case(batch, context, rows, device, ceiling, sweep)
     ]
     torch.cuda.empty_cache()
     return results
 
 
-def mixed_case(batch: int, context: int, rows: int, device: torch.device, ceiling: float) -> list[dict]:
+def mixed_case(
+    batch: int, context: int, rows: int, device: torch.device, ceiling: float, sweep: bool = False
+) -> list[dict]:
     query, kv_cache, tables, moved = decode_setup(batch, context, device, rows)
-    out = torch.empty_like(query)
-    scale = HEAD_DIM**-0.5
+    calls_for = decode_calls(query, kv_cache, tables)
     results = []
     for splits in MIXED_SPLITS:
-        calls = [
-            (lambda t=block_tables, n=seq_lens, s=splits: paged_decode_attention(
-                query, kv_cache[0], kv_cache[1], t, n, scale, s, out=out
-            ))
-            for block_tables, seq_lens in tables
-        ]  # fmt: skip
-        milliseconds = graph_ms(calls, ROUNDS, REPLAYS)
+        milliseconds = graph_ms(calls_for(splits, None), ROUNDS, REPLAYS)
         gbps = moved / milliseconds / 1e6
         print(
             f"{batch:>8} {rows:>5} {context:>8} {splits:>6} {milliseconds:>9.4f} {gbps:>8.0f} "
@@ -106,20 +102,20 @@ def mixed_case(batch: int, context: int, rows: int, device: torch.device, ceilin
             {"decodes": batch, "rows": rows, "context": context, "num_splits": splits, "ms": milliseconds,
              "bytes": moved, "gbps": gbps, "fraction_of_copy": gbps / ceiling}
         )  # fmt: skip
+    if sweep and (batch, context, rows) == MIXED_CASES[0]:
+        results[0]["sweep"] = sweep_decode(calls_for, 1, moved)
     return results
 
 
-def decode_case(
-    batch: int, context: int, device: torch.device, num_sms: int, ceiling: float, sweep: bool
-) -> dict:
-    query, kv_cache, tables, moved = decode_setup(batch, context, device)
+def decode_calls(
+    query: torch.Tensor, kv_cache: torch.Tensor, tables: list
+) -> Callable[[int, tuple[int, int, int] | None], list[Callable[[], object]]]:
+    """calls_for(splits, tile): one call per copy of the block tables; tile None: the public launcher's
+    own choice."""
     out = torch.empty_like(query)
-    num_splits = choose_num_splits(batch, NUM_KV_HEADS, context, num_sms)
     scale = HEAD_DIM**-0.5
 
     def calls_for(splits: int, tile: tuple[int, int, int] | None) -> list[Callable[[], object]]:
-        """One call per copy of the block tables; tile None: the public launcher's own choice."""
-
         def call(block_tables: torch.Tensor, seq_lens: torch.Tensor) -> Callable[[], object]:
             if tile is None:
                 return lambda: paged_decode_attention(
@@ -133,6 +129,15 @@ def decode_case(
 
         return [call(block_tables, seq_lens) for block_tables, seq_lens in tables]
 
+    return calls_for
+
+
+def decode_case(
+    batch: int, context: int, device: torch.device, num_sms: int, ceiling: float, sweep: bool
+) -> dict:
+    query, kv_cache, tables, moved = decode_setup(batch, context, device)
+    num_splits = choose_num_splits(batch, NUM_KV_HEADS, context, num_sms)
+    calls_for = decode_calls(query, kv_cache, tables)
     milliseconds = graph_ms(calls_for(num_splits, None), ROUNDS, REPLAYS)
     gbps = moved / milliseconds / 1e6
     print(f"{batch:>6} {context:>8} {num_splits:>6} {milliseconds:>9.4f} {gbps:>8.0f} {gbps / ceiling:>8.1%}")
@@ -233,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         "triton": triton.__version__,
         "copy_gbps": ceiling,
         "decode": bench_decode(device, properties.multi_processor_count, ceiling, args.sweep),
-        "decode_mixed": bench_mixed(device, ceiling),
+        "decode_mixed": bench_mixed(device, ceiling, args.sweep),
         "store_kv": bench_store(device, ceiling),
     }
     if args.json is not None:
