@@ -90,7 +90,7 @@ def mixed_case(
 ) -> list[dict]:
     query, kv_cache, tables, moved = decode_setup(batch, context, device, rows)
     calls_for = decode_calls(query, kv_cache, tables)
-    results = []
+    results: list[dict] = []
     for splits in MIXED_SPLITS:
         milliseconds = graph_ms(calls_for(splits, None), ROUNDS, REPLAYS)
         gbps = moved / milliseconds / 1e6
