@@ -1,6 +1,6 @@
 """The engine core's wait for the next requests of clients whose requests just finished
 (engine.core_process.ArrivalWait): its loop (in a thread) over a stand-in engine whose steps take
-STEP_S on a pretend device, and a client that sends a new request as soon as it reads that its last
+STEP_S on a pretend device, and a client that sends a new request shortly after it reads that its last
 one finished, as a closed loop does. With the wait, the new request reaches the engine before the
 step after the finishing one is scheduled; without it (or once the device has nothing in flight) the
 core schedules that step at once and the request waits for the next."""
@@ -17,6 +17,11 @@ from engine.core_process import ArrivalWait
 from engine.sampling_params import SamplingParams
 
 STEP_S = 0.4  # long beside a client's turnaround, even on a loaded CI machine
+# The client's turnaround: well inside the wait's budget (0.5 x STEP_S here) and far longer than the
+# core's own path from sending a step's outputs to scheduling the next step, so which side of that
+# step the replacement lands on is decided by the wait alone, not by which thread the machine runs
+# first (a client answering at once could beat a core that does not wait).
+CLIENT_TURNAROUND_S = 0.05
 
 
 class PretendDeviceEngine(OneTokenAStepEngine):
@@ -49,7 +54,7 @@ class PretendDeviceEngine(OneTokenAStepEngine):
 def _replace_a_finished_request(engine: PretendDeviceEngine, wait: ArrivalWait, tmp_path) -> int:
     """A long request keeps the engine busy; a short one finishes after 3 steps (the core's budget
     comes from the last two steps' times, and the first took no time: nothing was in flight) and the
-    client sends its replacement as soon as it reads the finish. Returns the steps taken after the finishing step
+    client sends its replacement CLIENT_TURNAROUND_S after it reads the finish. Returns the steps taken after the finishing step
     before the replacement reached the engine (0: in time for the next step)."""
     with core_loop(engine, tmp_path, wait) as dealer:
         send_request(dealer, "long", 8)
@@ -61,7 +66,8 @@ def _replace_a_finished_request(engine: PretendDeviceEngine, wait: ArrivalWait, 
             assert isinstance(message, StepOutputs)
             if any(d.request_id == "short" and d.finish_reason for d in message.deltas):
                 finished_after = engine.steps
-                send_request(dealer, "next", 2)  # at once, as a closed-loop client does
+                time.sleep(CLIENT_TURNAROUND_S)
+                send_request(dealer, "next", 2)  # soon after, as a closed-loop client does
         deadline = time.monotonic() + 30
         while "next" not in engine.added_at and time.monotonic() < deadline:
             time.sleep(0.01)
