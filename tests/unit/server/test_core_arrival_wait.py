@@ -54,8 +54,8 @@ class PretendDeviceEngine(OneTokenAStepEngine):
 def _replace_a_finished_request(engine: PretendDeviceEngine, wait: ArrivalWait, tmp_path) -> int:
     """A long request keeps the engine busy; a short one finishes after 3 steps (the core's budget
     comes from the last two steps' times, and the first took no time: nothing was in flight) and the
-    client sends its replacement CLIENT_TURNAROUND_S after it reads the finish. Returns the steps taken after the finishing step
-    before the replacement reached the engine (0: in time for the next step)."""
+    client sends its replacement CLIENT_TURNAROUND_S after it reads the finish. Returns the steps taken
+    after the finishing step before the replacement reached the engine (0: in time for the next step)."""
     with core_loop(engine, tmp_path, wait) as dealer:
         send_request(dealer, "long", 8)
         send_request(dealer, "short", 3)
