@@ -1,24 +1,32 @@
 """Micro-benchmark of decode attention and the KV store on CUDA: ms a call, achieved GB/s, and the fraction
 of a measured device-to-device copy ceiling, at qwen2.5-1.5b's shapes (12 query heads, 2 KV heads,
-head_dim 128, block 16, bf16). `python -m engine.kernels.bench_attention [--json PATH] [--sweep]`;
-`--sweep` also times other tile configurations and split counts, to tune decode_attention._default_tile.
+head_dim 128, block 16, bf16). `python -m engine.kernels.bench_attention [--json PATH] [--sweep]
+[--against FILE]`; `--sweep` also times other tile configurations and split counts, to tune
+decode_attention; `--against FILE` times another version of decode_attention.py beside this one
+on every case, each at its own choice of splits, alternating (e.g. the one a commit had:
+`git show REF:engine/kernels/decode_attention.py > FILE`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
+import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import triton
 
+from engine.kernels import decode_attention
 from engine.kernels.ceilings import copy_bandwidth_gbs
-from engine.kernels.decode_attention import _paged_decode_attention, choose_num_splits, paged_decode_attention
+from engine.kernels.ceilings import num_sms as device_sms
+from engine.kernels.decode_attention import _paged_decode_attention, choose_num_splits
 from engine.kernels.kv_cache import store_kv
-from engine.kernels.timing import graph_ms
+from engine.kernels.timing import graph_ms, load_kernel_module
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 12, 2, 128, 16, torch.bfloat16
 DECODE_CASES = [(1, 1024), (1, 4096), (64, 1024), (256, 1024), (256, 2048)]  # (batch, context)
@@ -27,6 +35,15 @@ DECODE_CASES = [(1, 1024), (1, 4096), (64, 1024), (256, 1024), (256, 2048)]  # (
 # past the decodes empty (context 0), the split count fixed at capture; timed at each of MIXED_SPLITS.
 MIXED_CASES = [(128, 1024, 257), (64, 1024, 257), (192, 1024, 257), (128, 1024, 1024)]
 MIXED_SPLITS = (1, 2, 3, 4)
+# (decodes, rows): a closed loop's decodes at the seed-mix's contexts (prompts of 16 / 64 / 256 / 1,024 /
+# 4,096 tokens, 1-256 generated so far, drawn with SEED_MIX_SEED): a hundredfold spread of lengths in
+# one step, where uniform contexts have none. rows > decodes: a mixed step's graph; rows == decodes: a
+# decode step's. Split counts are each kernel version's own choice for a graph, which serves any length
+# up to GRAPH_CONTEXT (the model's longest).
+SEED_MIX_CASES = [(128, 257), (128, 128), (256, 257), (64, 257)]
+SEED_MIX_PROMPTS = (16, 64, 256, 1024, 4096)
+SEED_MIX_SEED = 0
+GRAPH_CONTEXT = 32768
 STORE_CASES = [1, 256, 8192]  # tokens
 # Each timed graph touches at least this many bytes (up to MAX_COPIES calls over distinct blocks), so the
 # 50 MB L2 cannot serve a call from the previous one: as in a real step, where 28 layers take turns.
@@ -36,57 +53,83 @@ ROUNDS, REPLAYS = 7, 10
 SWEEP_TILES = [(n, w, s) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
 
 
+def seed_mix_contexts(batch: int, seed: int = SEED_MIX_SEED) -> list[int]:
+    """batch contexts of a seed-mix closed loop's decodes: a prompt length and 1-256 tokens generated."""
+    generator = random.Random(seed)
+    return [generator.choice(SEED_MIX_PROMPTS) + generator.randint(1, 256) for _ in range(batch)]
+
+
 def decode_setup(
-    batch: int, context: int, device: torch.device, rows: int | None = None
+    batch: int, context: int | Sequence[int], device: torch.device, rows: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, list, int]:
-    """(query, kv_cache, per-copy (block_tables, seq_lens), bytes a call moves). The blocks of every copy
-    are drawn from one random permutation of the cache, as after a long run of allocations and frees.
-    rows > batch appends empty rows (context 0, table of block 0), as a mixed step's graph has."""
+    """(query, kv_cache, per-copy (block_tables, seq_lens), bytes a call moves). context: one for every
+    sequence, or one a sequence. The blocks of every copy are drawn from one random permutation of the
+    cache, as after a long run of allocations and frees. rows > batch appends empty rows (context 0,
+    table of block 0), as a mixed step's graph has."""
     rows = batch if rows is None else rows
+    contexts = [context] * batch if isinstance(context, int) else list(context)
+    if len(contexts) != batch:
+        raise ValueError(f"{len(contexts)} contexts for {batch} sequences")
     element = torch.finfo(DTYPE).bits // 8
-    kv_bytes = batch * context * NUM_KV_HEADS * HEAD_DIM * element * 2  # K and V
-    blocks_per_seq = triton.cdiv(context, BLOCK_SIZE)
+    kv_bytes = sum(contexts) * NUM_KV_HEADS * HEAD_DIM * element * 2  # K and V
+    blocks = [triton.cdiv(length, BLOCK_SIZE) for length in contexts]
+    blocks_per_seq = max(blocks)
     copies = max(1, min(MAX_COPIES, BYTES_PER_GRAPH // kv_bytes))
-    num_blocks = copies * batch * blocks_per_seq
+    num_blocks = copies * sum(blocks)
     kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
-    order = torch.randperm(num_blocks, device=device).to(torch.int32).view(copies, batch, blocks_per_seq)
+    order = torch.randperm(num_blocks, device=device).to(torch.int32).view(copies, -1)
     seq_lens = torch.zeros(rows, dtype=torch.int32, device=device)
-    seq_lens[:batch] = context
+    seq_lens[:batch] = torch.tensor(contexts, dtype=torch.int32, device=device)
     padded = torch.zeros(copies, rows, blocks_per_seq, dtype=torch.int32, device=device)
-    padded[:, :batch] = order
+    used = 0
+    for row, count in enumerate(blocks):
+        padded[:, row, :count] = order[:, used : used + count]
+        used += count
     tables = [(padded[copy].contiguous(), seq_lens) for copy in range(copies)]
     query = torch.randn(rows, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
     # + q, out and the block table of the decodes
-    moved = kv_bytes + 2 * batch * NUM_HEADS * HEAD_DIM * element + batch * blocks_per_seq * 4
+    moved = kv_bytes + 2 * batch * NUM_HEADS * HEAD_DIM * element + sum(blocks) * 4
     return query, kv_cache, tables, moved
 
 
-def bench_decode(device: torch.device, num_sms: int, ceiling: float, sweep: bool) -> list[dict]:
+def bench_decode(
+    device: torch.device, num_sms: int, ceiling: float, sweep: bool, against: ModuleType | None = None
+) -> list[dict]:
     print(f"\npaged_decode_attention: {NUM_HEADS} heads, {NUM_KV_HEADS} KV heads, head_dim {HEAD_DIM}, bf16")
     print(f"{'batch':>6} {'context':>8} {'splits':>6} {'ms':>9} {'GB/s':>8} {'of copy':>8}")
     results = [
-        decode_case(batch, context, device, num_sms, ceiling, sweep) for batch, context in DECODE_CASES
+        decode_case(batch, context, device, num_sms, ceiling, sweep, against)
+        for batch, context in DECODE_CASES
     ]
     torch.cuda.empty_cache()
     return results
 
 
-def bench_mixed(device: torch.device, ceiling: float, sweep: bool = False) -> list[dict]:
+def bench_mixed(
+    device: torch.device, ceiling: float, sweep: bool = False, against: ModuleType | None = None
+) -> list[dict]:
     """The decode kernel over a mixed graph's rows, some empty, at each split count in MIXED_SPLITS;
-    with sweep, the tiles of SWEEP_TILES on the first case too (1 and 2 splits)."""
+    with sweep, the tiles of SWEEP_TILES on the first case too (1 and 2 splits); with against, this
+    version and the other at each one's choice of splits for a graph."""
     print("\npaged_decode_attention in a mixed step's graph (rows past the decodes are empty)")
     print(f"{'decodes':>8} {'rows':>5} {'context':>8} {'splits':>6} {'ms':>9} {'GB/s':>8} {'of copy':>8}")
     results = [
         figure
         for index, (batch, context, rows) in enumerate(MIXED_CASES)
-        for figure in mixed_case(batch, context, rows, device, ceiling, sweep and index == 0)
+        for figure in mixed_case(batch, context, rows, device, ceiling, sweep and index == 0, against)
     ]
     torch.cuda.empty_cache()
     return results
 
 
 def mixed_case(
-    batch: int, context: int, rows: int, device: torch.device, ceiling: float, sweep: bool = False
+    batch: int,
+    context: int,
+    rows: int,
+    device: torch.device,
+    ceiling: float,
+    sweep: bool = False,
+    against: ModuleType | None = None,
 ) -> list[dict]:
     query, kv_cache, tables, moved = decode_setup(batch, context, device, rows)
     calls_for = decode_calls(query, kv_cache, tables)
@@ -104,21 +147,28 @@ def mixed_case(
         )  # fmt: skip
     if sweep:  # the tiles at 1 and 2 splits
         results[0]["sweep"] = sweep_decode(calls_for, 1, moved)
+    if against is not None:
+        sms = device_sms(query.device.index)
+        splits = choose_num_splits(rows, NUM_KV_HEADS, GRAPH_CONTEXT, sms)
+        other_splits = against.choose_num_splits(rows, NUM_KV_HEADS, GRAPH_CONTEXT, sms)
+        other = decode_calls(query, kv_cache, tables, against)(other_splits, None)
+        results[0]["against"] = time_against(calls_for(splits, None), other, moved, against)
+        results[0]["against"].update(num_splits=other_splits, this_num_splits=splits)
     return results
 
 
 def decode_calls(
-    query: torch.Tensor, kv_cache: torch.Tensor, tables: list
-) -> Callable[[int, tuple[int, int, int] | None], list[Callable[[], object]]]:
-    """calls_for(splits, tile): one call per copy of the block tables; tile None: the public launcher's
-    own choice."""
+    query: torch.Tensor, kv_cache: torch.Tensor, tables: list, module: ModuleType = decode_attention
+) -> Callable[..., list[Callable[[], object]]]:
+    """calls_for(splits, tile): one call per copy of the block tables, through `module` (this
+    decode_attention, or another version of it); tile None: the public launcher's own choice."""
     out = torch.empty_like(query)
     scale = HEAD_DIM**-0.5
 
     def calls_for(splits: int, tile: tuple[int, int, int] | None) -> list[Callable[[], object]]:
         def call(block_tables: torch.Tensor, seq_lens: torch.Tensor) -> Callable[[], object]:
             if tile is None:
-                return lambda: paged_decode_attention(
+                return lambda: module.paged_decode_attention(
                     query, kv_cache[0], kv_cache[1], block_tables, seq_lens, scale, splits, out=out
                 )
             block_n, num_warps, num_stages = tile
@@ -132,8 +182,65 @@ def decode_calls(
     return calls_for
 
 
+def bench_seed_mix(
+    device: torch.device, num_sms: int, ceiling: float, against: ModuleType | None = None
+) -> list[dict]:
+    """The decode kernel over SEED_MIX_CASES at this version's choice of splits for a graph; with
+    against, the other version at its own choice, alternating, median of 3."""
+    print("\npaged_decode_attention at a seed-mix closed loop's contexts (a graph's split choice)")
+    print(f"{'decodes':>8} {'rows':>5} {'tokens':>8} {'splits':>6} {'ms':>9} {'GB/s':>8} {'of copy':>8}")
+    results = []
+    for batch, rows in SEED_MIX_CASES:
+        contexts = seed_mix_contexts(batch)
+        query, kv_cache, tables, moved = decode_setup(batch, contexts, device, rows)
+        splits = choose_num_splits(rows, NUM_KV_HEADS, GRAPH_CONTEXT, num_sms)
+        this = decode_calls(query, kv_cache, tables)(splits, None)
+        milliseconds = graph_ms(this, ROUNDS, REPLAYS)
+        gbps = moved / milliseconds / 1e6
+        print(
+            f"{batch:>8} {rows:>5} {sum(contexts):>8} {splits:>6} {milliseconds:>9.4f} {gbps:>8.0f} "
+            f"{gbps / ceiling:>8.1%}"
+        )
+        result: dict = {
+            "decodes": batch, "rows": rows, "contexts": contexts, "num_splits": splits, "ms": milliseconds,
+            "bytes": moved, "gbps": gbps, "fraction_of_copy": gbps / ceiling,
+        }  # fmt: skip
+        if against is not None:
+            other_splits = against.choose_num_splits(rows, NUM_KV_HEADS, GRAPH_CONTEXT, num_sms)
+            result["against"] = time_against(
+                this, decode_calls(query, kv_cache, tables, against)(other_splits, None), moved, against
+            )
+            result["against"]["num_splits"] = other_splits
+        results.append(result)
+    torch.cuda.empty_cache()
+    return results
+
+
+def time_against(
+    this: list[Callable[[], object]], other: list[Callable[[], object]], moved: int, against: ModuleType
+) -> dict:
+    """This version's calls and the other's, timed alternately three times each (a drift of the GPU's
+    clock falls on both); the medians."""
+    this_ms, other_ms = [], []
+    for _ in range(3):
+        this_ms.append(graph_ms(this, ROUNDS, REPLAYS))
+        other_ms.append(graph_ms(other, ROUNDS, REPLAYS))
+    mine, theirs = statistics.median(this_ms), statistics.median(other_ms)
+    print(f"    against {against.__file__}: {theirs:.4f} ms, this {mine:.4f} ms: {theirs / mine:.3f}x")
+    return {
+        "file": str(against.__file__), "ms": theirs, "gbps": moved / theirs / 1e6, "this_ms": mine,
+        "speedup": theirs / mine,
+    }  # fmt: skip
+
+
 def decode_case(
-    batch: int, context: int, device: torch.device, num_sms: int, ceiling: float, sweep: bool
+    batch: int,
+    context: int,
+    device: torch.device,
+    num_sms: int,
+    ceiling: float,
+    sweep: bool,
+    against: ModuleType | None = None,
 ) -> dict:
     query, kv_cache, tables, moved = decode_setup(batch, context, device)
     num_splits = choose_num_splits(batch, NUM_KV_HEADS, context, num_sms)
@@ -152,6 +259,11 @@ def decode_case(
     }
     if sweep:
         result["sweep"] = sweep_decode(calls_for, num_splits, moved)
+    if against is not None:
+        other_splits = against.choose_num_splits(batch, NUM_KV_HEADS, context, num_sms)
+        other = decode_calls(query, kv_cache, tables, against)(other_splits, None)
+        result["against"] = time_against(calls_for(num_splits, None), other, moved, against)
+        result["against"]["num_splits"] = other_splits
     return result
 
 
@@ -221,7 +333,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine.kernels.bench_attention", description=__doc__)
     parser.add_argument("--json", type=Path, help="write the figures to this JSON file")
     parser.add_argument("--sweep", action="store_true", help="also time other tile configurations and splits")
+    parser.add_argument(
+        "--against",
+        type=Path,
+        help="another version of engine/kernels/decode_attention.py, timed beside this one on every case",
+    )
     args = parser.parse_args(argv)
+    against = load_kernel_module(args.against, "paged_decode_attention") if args.against else None
     if not torch.cuda.is_available():
         print("bench_attention needs a CUDA device (torch.cuda.is_available() is False); nothing to measure.")
         return 2
@@ -237,8 +355,9 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "copy_gbps": ceiling,
-        "decode": bench_decode(device, properties.multi_processor_count, ceiling, args.sweep),
-        "decode_mixed": bench_mixed(device, ceiling, args.sweep),
+        "decode": bench_decode(device, properties.multi_processor_count, ceiling, args.sweep, against),
+        "decode_mixed": bench_mixed(device, ceiling, args.sweep, against),
+        "decode_seed_mix": bench_seed_mix(device, properties.multi_processor_count, ceiling, against),
         "store_kv": bench_store(device, ceiling),
     }
     if args.json is not None:

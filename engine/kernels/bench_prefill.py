@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import json
 import sys
 from collections.abc import Callable
@@ -29,7 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.kernels.ceilings import matmul_tflops
 from engine.kernels.prefill_attention import _paged_prefill_attention, paged_prefill_attention
-from engine.kernels.timing import eager_ms, graph_ms
+from engine.kernels.timing import eager_ms, graph_ms, load_kernel_module
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 12, 2, 128, 16, torch.bfloat16
 # (name, [(tokens cached before, chunk length)] of one step)
@@ -215,19 +214,6 @@ def bench_case(
     return result
 
 
-def load_kernel_module(path: Path) -> ModuleType:
-    """Another version of engine/kernels/prefill_attention.py, imported from its file under a name of
-    its own (its Triton kernels compile apart from this version's)."""
-    spec = importlib.util.spec_from_file_location(f"prefill_attention_{path.stem}", path)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"{path} is not a Python file")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not callable(getattr(module, "paged_prefill_attention", None)):
-        raise ValueError(f"{path} has no paged_prefill_attention")
-    return module
-
-
 def select_cases(
     wanted: list[str] | None, cases: list[tuple[str, list[tuple[int, int]]]] = CASES
 ) -> list[tuple[str, list[tuple[int, int]]]]:
@@ -285,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         selected = select_cases(args.case)
     except ValueError as error:
         parser.error(str(error))
-    against = load_kernel_module(args.against) if args.against else None
+    against = load_kernel_module(args.against, "paged_prefill_attention") if args.against else None
     if not torch.cuda.is_available():
         print("bench_prefill needs a CUDA device (torch.cuda.is_available() is False); nothing to measure.")
         return 2
