@@ -13,16 +13,23 @@ from engine.kernels import bench_attention, decode_attention
 from engine.kernels.timing import load_kernel_module
 
 
-def test_mixed_cases_time_every_split_and_sweep_the_first(monkeypatch, device):
+def untimed_graphs(monkeypatch, milliseconds: float) -> list[int]:
+    """bench_attention's graph timing replaced by one call of each of its calls (the interpreter has no
+    graphs), reporting `milliseconds`; returns the list that notes each timing's number of calls."""
     timed: list[int] = []
 
     def run_once(calls, rounds, replays):
         for call in calls:
             call()
         timed.append(len(calls))
-        return 0.5
+        return milliseconds
 
     monkeypatch.setattr(bench_attention, "graph_ms", run_once)
+    return timed
+
+
+def test_mixed_cases_time_every_split_and_sweep_the_first(monkeypatch, device):
+    timed = untimed_graphs(monkeypatch, 0.5)
     monkeypatch.setattr(bench_attention, "MAX_COPIES", 2)  # copies of the block tables a timed graph takes
     monkeypatch.setattr(bench_attention, "MIXED_CASES", [(2, 40, 5), (1, 24, 3)])
     monkeypatch.setattr(bench_attention, "MIXED_SPLITS", (1, 2))
@@ -47,15 +54,7 @@ def test_mixed_cases_time_every_split_and_sweep_the_first(monkeypatch, device):
 def test_seed_mix_cases_time_this_version_against_another(monkeypatch, device):
     """The seed-mix contexts' cases end to end: this version at its graph choice of splits, the other
     version (here the same file loaded apart) at its own, alternating three times each."""
-    timed: list[int] = []
-
-    def run_once(calls, rounds, replays):
-        for call in calls:
-            call()
-        timed.append(len(calls))
-        return 0.25
-
-    monkeypatch.setattr(bench_attention, "graph_ms", run_once)
+    timed = untimed_graphs(monkeypatch, 0.25)
     monkeypatch.setattr(bench_attention, "MAX_COPIES", 1)
     monkeypatch.setattr(bench_attention, "SEED_MIX_CASES", [(3, 5)])
     monkeypatch.setattr(bench_attention, "SEED_MIX_PROMPTS", (16, 300))
