@@ -13,7 +13,8 @@
 #   SET: space-separated NAME=VALUE engine options (EngineArgs fields); '' is the defaults. E.g.
 #   scripts/option_trials.sh /tmp/qwen out '' 'mixed_graph_ladder_steps=8' 'mixed_graph_max_tokens=8192'
 #   tree=DIR in a set runs it from another source tree (a copy of this one with a kernel's tile, say,
-#   changed: no git needed), with the same model and output folders:
+#   changed: no git needed; `scripts/base_tree.sh` rebuilds a commit's tree), with the same model and
+#   output folders:
 #   scripts/option_trials.sh /tmp/qwen out '' 'tree=/tmp/tile64' 'tree=/tmp/tile64 max_num_seqs=512'
 # A discarded run of the first set comes before round 1 (DISCARD_FIRST=0 leaves it out): on a fresh
 # machine the first engine run's host phases ran 20-40% slower (schedule 0.35 vs 0.25 ms a step, an H100
