@@ -16,12 +16,17 @@ the server (0: eager); their GPU-busy fraction and launches per step say whether
 the host's launches or on the GPU, and the top operators where the GPU's time goes. The device's idle
 time between its operations is split into short gaps (one kernel after another) and longer ones (the
 device waiting for the host).
+
+`--context-mix 16,64,256,1024,4096` gives each sequence a prompt length drawn from that list (the
+seed-mix workload's), as a closed loop's decodes hold them: a kernel whose time follows the longest
+sequence shows it there, where uniform contexts hide it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -48,11 +53,22 @@ LAUNCH_CALLS = frozenset(
 )
 
 
-def bytes_per_decode_step(engine: LLMEngine, batch: int, context: int) -> int:
+def bytes_per_decode_step(engine: LLMEngine, contexts: Sequence[int]) -> int:
     """What one decode step must read at least: every weight once, and each sequence's K/V."""
     weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
-    kv = batch * context * engine.model_config.kv_bytes_per_token(engine.dtype.itemsize)
+    kv = sum(contexts) * engine.model_config.kv_bytes_per_token(engine.dtype.itemsize)
     return weights + kv
+
+
+def batch_contexts(batch: int, context: int, context_mix: Sequence[int]) -> list[int]:
+    """Each sequence's prompt length: `context` for all, or with a context mix one drawn from it for
+    each sequence (seeded by the batch size, so a run repeats), as a closed loop's decodes hold prompts
+    of very different lengths side by side. Why: kernels whose time follows the longest sequence look
+    fine at uniform contexts and are not (the decode attention of 2026-12-06, PERFORMANCE.md)."""
+    if not context_mix:
+        return [context] * batch
+    generator = random.Random(batch)
+    return [generator.choice(list(context_mix)) for _ in range(batch)]
 
 
 def device_figures(events: Iterable[Any], steps: int, step_s: float) -> dict[str, float]:
@@ -158,16 +174,16 @@ def profile_batch(
     temperature: float = 0.0,
     top_p: float = 1.0,
     prefill_chunk: int = 0,
+    context_mix: Sequence[int] = (),
 ) -> tuple[dict[str, Any], Any]:
-    """Fill the engine with `batch` sequences of `context` prompt tokens, prefill them, time runs of
+    """Fill the engine with `batch` sequences of `context` prompt tokens (or of lengths drawn from
+    `context_mix`: batch_contexts), prefill them, time runs of
     `steps` and 2 x `steps` decode steps (steady_step_seconds), then profile `steps` more; abort them
     all at the end, so the next batch starts empty. Greedy unless `temperature` says otherwise (the
     sampled step's own costs: the sampler after the graph). With `prefill_chunk` > 0, a new prompt of
     that many tokens is added before each of those steps (while none waits), generating one token:
     mixed steps of the same decodes."""
-    params = SamplingParams(
-        max_tokens=max_model_len - context, temperature=temperature, top_p=top_p, ignore_eos=True
-    )
+    contexts = batch_contexts(batch, context, context_mix)
     fed: list[str] = []
 
     def feed() -> None:
@@ -187,8 +203,11 @@ def profile_batch(
 
     request_ids = [f"profile-{batch}-{i}" for i in range(batch)]
     before = engine.stats()
-    for i, request_id in enumerate(request_ids):
-        engine.add_request(request_id, [1000 + (i * 7 + j) % 29000 for j in range(context)], params)
+    for i, (request_id, length) in enumerate(zip(request_ids, contexts, strict=True)):
+        params = SamplingParams(
+            max_tokens=max_model_len - length, temperature=temperature, top_p=top_p, ignore_eos=True
+        )
+        engine.add_request(request_id, [1000 + (i * 7 + j) % 29000 for j in range(length)], params)
     while any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()  # prefill
     # Prompts differ within a batch, but a later batch's repeat an earlier one's (the first of 64 is
@@ -228,10 +247,12 @@ def profile_batch(
         engine.step()  # the step in flight, and a fed prompt's last token
     if trace:
         prof.export_chrome_trace(trace)
-    moved = bytes_per_decode_step(engine, batch, context)
+    moved = bytes_per_decode_step(engine, contexts)
     figures: dict[str, Any] = {
         "batch": batch,
-        "context": context,
+        "context": round(sum(contexts) / batch),  # the mean, with a context mix
+        "context_mix": list(context_mix),
+        "longest_context": max(contexts),
         "temperature": temperature,
         "top_p": top_p,
         "step_ms": step_s * 1e3,
@@ -266,12 +287,15 @@ def profile_batch(
 def report(figures: dict[str, Any], ceiling_gbs: float | None) -> list[str]:
     """The lines printed for one batch."""
     batch, step_ms = figures["batch"], figures["step_ms"]
+    contexts = f"~{figures['context']} tokens"
+    if figures.get("context_mix"):
+        contexts = f"{figures['context']} tokens on average, {figures['longest_context']} the longest"
     lines = [
-        f"decode step: {step_ms:.2f} ms for {batch} sequences of ~{figures['context']} tokens ({figures['tok_s']:.0f} tok/s)"
+        f"decode step: {step_ms:.2f} ms for {batch} sequences of {contexts} ({figures['tok_s']:.0f} tok/s)"
     ]
     if figures["prefill_chunk"]:
         lines[0] = (
-            f"mixed step: {step_ms:.2f} ms for {batch} decodes of ~{figures['context']} tokens and "
+            f"mixed step: {step_ms:.2f} ms for {batch} decodes of {contexts} and "
             f"{figures['prompt_tokens_per_step']:.0f} prompt tokens ({figures['tok_s']:.0f} decode tok/s)"
         )
     moved_gb, achieved = figures["bytes_per_step"] / 1e9, figures["achieved_gbs"]
@@ -313,16 +337,22 @@ def _trace_path(trace: str | None, batch: int, batches: Sequence[int]) -> str | 
     return str(path.with_name(f"{path.stem}-b{batch}{path.suffix}"))
 
 
-def _batches(text: str) -> tuple[int, ...]:
+def _positive_ints(text: str, what: str) -> tuple[int, ...]:
     try:
-        batches = tuple(int(part) for part in text.split(",") if part.strip())
+        values = tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(
-            f"expected a comma-separated list of batch sizes, got {text!r}"
-        ) from exc
-    if not batches or min(batches) < 1:
-        raise argparse.ArgumentTypeError(f"batch sizes must be >= 1, got {text!r}")
-    return batches
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {what}, got {text!r}") from exc
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{what} must be >= 1, got {text!r}")
+    return values
+
+
+def _batches(text: str) -> tuple[int, ...]:
+    return _positive_ints(text, "batch sizes")
+
+
+def _lengths(text: str) -> tuple[int, ...]:
+    return _positive_ints(text, "prompt lengths")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -335,6 +365,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="sequences per step, a comma list (default 1,64,256)",
     )
     parser.add_argument("--context", type=int, default=1024, help="prompt tokens of each sequence")
+    parser.add_argument(
+        "--context-mix",
+        type=_lengths,
+        default=(),
+        help="prompt lengths, a comma list: each sequence draws one (e.g. the seed-mix's "
+        "16,64,256,1024,4096), instead of --context for all",
+    )
     parser.add_argument(
         "--steps",
         type=int,
@@ -375,6 +412,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--json", help="write every figure here")
     parser.add_argument("--no-tables", action="store_true", help="leave out the top-operator tables")
     args = parser.parse_args(argv)
+    longest = max(args.context_mix or (args.context,))
+    if longest >= args.max_model_len:
+        parser.error(
+            f"a prompt of {longest} tokens leaves no room to decode within --max-model-len {args.max_model_len}"
+        )
     engine = LLMEngine(
         EngineArgs(
             model=args.model,
@@ -399,6 +441,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             args.temperature,
             args.top_p,
             args.prefill_chunk,
+            args.context_mix,
         )
         figures["ceiling_fraction"] = figures["achieved_gbs"] / ceiling if ceiling else None
         results.append(figures)
@@ -414,6 +457,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "dtype": str(engine.dtype).removeprefix("torch."),
         "torch": torch.__version__,
         "context": args.context,
+        "context_mix": list(args.context_mix),
         "prefill_chunk": args.prefill_chunk,
         "steps": args.steps,
         "copy_ceiling_gbs": ceiling,

@@ -14,6 +14,7 @@ import engine.profile as profile_module
 from engine import EngineArgs, LLMEngine
 from engine.profile import (
     DEFAULT_BATCHES,
+    batch_contexts,
     bytes_per_decode_step,
     device_figures,
     device_idle,
@@ -28,7 +29,8 @@ def test_bytes_per_decode_step_counts_weights_once_and_each_sequence_kv(tiny_mod
     )
     weights = sum(p.numel() for p in engine.runner.model.parameters()) * 4  # float32, tied head counted once
     kv_per_token = 2 * 4 * 2 * 32 * 4  # K and V, 4 layers, 2 KV heads of 32, float32
-    assert bytes_per_decode_step(engine, batch=3, context=100) == weights + 3 * 100 * kv_per_token
+    assert bytes_per_decode_step(engine, [100] * 3) == weights + 3 * 100 * kv_per_token
+    assert bytes_per_decode_step(engine, [16, 400]) == weights + 416 * kv_per_token
 
 
 def event(name: str, device: DeviceType, microseconds: float = 0.0) -> SimpleNamespace:
@@ -152,7 +154,7 @@ def test_profile_cli_profiles_sampled_steps_when_asked(tiny_model_dir, monkeypat
         ["--model", str(tiny_model_dir), "--batch", "2", "--context", "16", "--steps", "2"]
         + ["--max-model-len", "256", "--temperature", "1.0", "--top-p", "0.9", "--no-tables"]
     )
-    assert used == [(1.0, 0.9)]
+    assert used == [(1.0, 0.9)] * 2  # each of the batch's requests (its own length a request)
     [figures] = out["batches"]
     assert (figures["temperature"], figures["top_p"]) == (1.0, 0.9) and figures["step_ms"] > 0
 
@@ -181,3 +183,34 @@ def test_profile_cli_times_mixed_steps_with_a_prefill_chunk(tiny_model_dir, caps
     [engine] = engines
     assert not engine.has_unfinished_requests()
     assert engine.stats().kv_blocks_used == 0
+
+
+def test_a_context_mix_gives_each_sequence_a_length_of_its_own(tiny_model_dir, capsys, tmp_path):
+    """`--context-mix 8,40`: each sequence's prompt drawn from the list (seeded: the same draw each
+    run), the bytes a step moves counted from those lengths, the report naming the mean and the longest;
+    a length that leaves no room to decode is refused by name."""
+    assert batch_contexts(3, 32, ()) == [32, 32, 32]
+    drawn = batch_contexts(6, 32, (8, 40))
+    assert set(drawn) == {8, 40} and drawn == batch_contexts(6, 32, (8, 40))
+    engines: list[LLMEngine] = []
+    real = profile_module.LLMEngine
+
+    def keeping(args):
+        engines.append(real(args))
+        return engines[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(profile_module, "LLMEngine", keeping)
+        out = main(
+            ["--model", str(tiny_model_dir), "--batch", "6", "--context-mix", "8,40", "--steps", "2"]
+            + ["--max-model-len", "128", "--no-tables"]
+        )
+    [figures] = out["batches"]
+    assert out["context_mix"] == [8, 40] and figures["longest_context"] == 40
+    assert figures["context"] == round(sum(drawn) / 6)
+    assert figures["bytes_per_step"] == bytes_per_decode_step(engines[0], drawn)
+    printed = capsys.readouterr().out
+    assert f"6 sequences of {figures['context']} tokens on average, 40 the longest" in printed
+    with pytest.raises(SystemExit):
+        main(["--model", str(tiny_model_dir), "--context-mix", "8,128", "--max-model-len", "128"])
+    assert "a prompt of 128 tokens leaves no room to decode" in capsys.readouterr().err
