@@ -159,7 +159,7 @@ def mixed_case(
 
 def decode_calls(
     query: torch.Tensor, kv_cache: torch.Tensor, tables: list, module: ModuleType = decode_attention
-) -> Callable[..., list[Callable[[], object]]]:
+) -> Callable[[int, tuple[int, int, int] | None], list[Callable[[], object]]]:
     """calls_for(splits, tile): one call per copy of the block tables, through `module` (this
     decode_attention, or another version of it); tile None: the public launcher's own choice."""
     out = torch.empty_like(query)
