@@ -159,23 +159,28 @@ def test_profile_cli_profiles_sampled_steps_when_asked(tiny_model_dir, monkeypat
     assert (figures["temperature"], figures["top_p"]) == (1.0, 0.9) and figures["step_ms"] > 0
 
 
-def test_profile_cli_times_mixed_steps_with_a_prefill_chunk(tiny_model_dir, capsys):
-    """`--prefill-chunk 48`: every timed step carries a new 48-token prompt besides the batch's
-    decodes (one prompt a step, none left waiting), the report says so, and once done the engine
-    holds no request and no KV block of the profile's."""
-    engines: list[LLMEngine] = []
+@pytest.fixture
+def engines(monkeypatch) -> list[LLMEngine]:
+    """Every engine the profile makes, kept for the test to inspect after main() returns."""
+    made: list[LLMEngine] = []
     real = profile_module.LLMEngine
 
     def keeping(args):
-        engines.append(real(args))
-        return engines[-1]
+        made.append(real(args))
+        return made[-1]
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(profile_module, "LLMEngine", keeping)
-        out = main(
-            ["--model", str(tiny_model_dir), "--batch", "3", "--context", "32", "--steps", "2"]
-            + ["--max-model-len", "256", "--prefill-chunk", "48", "--no-tables"]
-        )
+    monkeypatch.setattr(profile_module, "LLMEngine", keeping)
+    return made
+
+
+def test_profile_cli_times_mixed_steps_with_a_prefill_chunk(tiny_model_dir, capsys, engines):
+    """`--prefill-chunk 48`: every timed step carries a new 48-token prompt besides the batch's
+    decodes (one prompt a step, none left waiting), the report says so, and once done the engine
+    holds no request and no KV block of the profile's."""
+    out = main(
+        ["--model", str(tiny_model_dir), "--batch", "3", "--context", "32", "--steps", "2"]
+        + ["--max-model-len", "256", "--prefill-chunk", "48", "--no-tables"]
+    )
     [figures] = out["batches"]
     assert out["prefill_chunk"] == 48 and figures["prefill_chunk"] == 48
     assert figures["prompt_tokens_per_step"] == 48
@@ -185,26 +190,17 @@ def test_profile_cli_times_mixed_steps_with_a_prefill_chunk(tiny_model_dir, caps
     assert engine.stats().kv_blocks_used == 0
 
 
-def test_a_context_mix_gives_each_sequence_a_length_of_its_own(tiny_model_dir, capsys, tmp_path):
+def test_a_context_mix_gives_each_sequence_a_length_of_its_own(tiny_model_dir, capsys, engines):
     """`--context-mix 8,40`: each sequence's prompt drawn from the list (seeded: the same draw each
     run), the bytes a step moves counted from those lengths, the report naming the mean and the longest;
     a length that leaves no room to decode is refused by name."""
     assert batch_contexts(3, 32, ()) == [32, 32, 32]
     drawn = batch_contexts(6, 32, (8, 40))
     assert set(drawn) == {8, 40} and drawn == batch_contexts(6, 32, (8, 40))
-    engines: list[LLMEngine] = []
-    real = profile_module.LLMEngine
-
-    def keeping(args):
-        engines.append(real(args))
-        return engines[-1]
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(profile_module, "LLMEngine", keeping)
-        out = main(
-            ["--model", str(tiny_model_dir), "--batch", "6", "--context-mix", "8,40", "--steps", "2"]
-            + ["--max-model-len", "128", "--no-tables"]
-        )
+    out = main(
+        ["--model", str(tiny_model_dir), "--batch", "6", "--context-mix", "8,40", "--steps", "2"]
+        + ["--max-model-len", "128", "--no-tables"]
+    )
     [figures] = out["batches"]
     assert out["context_mix"] == [8, 40] and figures["longest_context"] == 40
     assert figures["context"] == round(sum(drawn) / 6)
