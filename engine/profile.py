@@ -67,8 +67,8 @@ def batch_contexts(batch: int, context: int, context_mix: Sequence[int]) -> list
     fine at uniform contexts and are not (the decode attention of 2026-12-06, PERFORMANCE.md)."""
     if not context_mix:
         return [context] * batch
-    generator = random.Random(batch)
-    return [generator.choice(list(context_mix)) for _ in range(batch)]
+    generator, lengths = random.Random(batch), list(context_mix)
+    return [generator.choice(lengths) for _ in range(batch)]
 
 
 def device_figures(events: Iterable[Any], steps: int, step_s: float) -> dict[str, float]:

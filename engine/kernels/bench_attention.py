@@ -23,7 +23,6 @@ import triton
 
 from engine.kernels import decode_attention
 from engine.kernels.ceilings import copy_bandwidth_gbs
-from engine.kernels.ceilings import num_sms as device_sms
 from engine.kernels.decode_attention import _paged_decode_attention, choose_num_splits
 from engine.kernels.kv_cache import store_kv
 from engine.kernels.timing import graph_ms, load_kernel_module
@@ -106,7 +105,11 @@ def bench_decode(
 
 
 def bench_mixed(
-    device: torch.device, ceiling: float, sweep: bool = False, against: ModuleType | None = None
+    device: torch.device,
+    num_sms: int,
+    ceiling: float,
+    sweep: bool = False,
+    against: ModuleType | None = None,
 ) -> list[dict]:
     """The decode kernel over a mixed graph's rows, some empty, at each split count in MIXED_SPLITS;
     with sweep, the tiles of SWEEP_TILES on the first case too (1 and 2 splits); with against, this
@@ -116,7 +119,9 @@ def bench_mixed(
     results = [
         figure
         for index, (batch, context, rows) in enumerate(MIXED_CASES)
-        for figure in mixed_case(batch, context, rows, device, ceiling, sweep and index == 0, against)
+        for figure in mixed_case(
+            batch, context, rows, device, num_sms, ceiling, sweep and index == 0, against
+        )
     ]
     torch.cuda.empty_cache()
     return results
@@ -127,6 +132,7 @@ def mixed_case(
     context: int,
     rows: int,
     device: torch.device,
+    num_sms: int,
     ceiling: float,
     sweep: bool = False,
     against: ModuleType | None = None,
@@ -148,12 +154,11 @@ def mixed_case(
     if sweep:  # the tiles at 1 and 2 splits
         results[0]["sweep"] = sweep_decode(calls_for, 1, moved)
     if against is not None:
-        sms = device_sms(query.device.index)
-        splits = choose_num_splits(rows, NUM_KV_HEADS, GRAPH_CONTEXT, sms)
-        other_splits = against.choose_num_splits(rows, NUM_KV_HEADS, GRAPH_CONTEXT, sms)
-        other = decode_calls(query, kv_cache, tables, against)(other_splits, None)
-        results[0]["against"] = time_against(calls_for(splits, None), other, moved, against)
-        results[0]["against"].update(num_splits=other_splits, this_num_splits=splits)
+        splits = choose_num_splits(rows, NUM_KV_HEADS, GRAPH_CONTEXT, num_sms)
+        results[0]["against"] = time_against(
+            calls_for(splits, None), (query, kv_cache, tables), rows, GRAPH_CONTEXT, num_sms, moved, against
+        )
+        results[0]["against"]["this_num_splits"] = splits
     return results
 
 
@@ -206,21 +211,28 @@ def bench_seed_mix(
             "bytes": moved, "gbps": gbps, "fraction_of_copy": gbps / ceiling,
         }  # fmt: skip
         if against is not None:
-            other_splits = against.choose_num_splits(rows, NUM_KV_HEADS, GRAPH_CONTEXT, num_sms)
             result["against"] = time_against(
-                this, decode_calls(query, kv_cache, tables, against)(other_splits, None), moved, against
+                this, (query, kv_cache, tables), rows, GRAPH_CONTEXT, num_sms, moved, against
             )
-            result["against"]["num_splits"] = other_splits
         results.append(result)
     torch.cuda.empty_cache()
     return results
 
 
 def time_against(
-    this: list[Callable[[], object]], other: list[Callable[[], object]], moved: int, against: ModuleType
+    this: list[Callable[[], object]],
+    setup: tuple[torch.Tensor, torch.Tensor, list],
+    num_seqs: int,
+    max_context: int,
+    num_sms: int,
+    moved: int,
+    against: ModuleType,
 ) -> dict:
-    """This version's calls and the other's, timed alternately three times each (a drift of the GPU's
-    clock falls on both); the medians."""
+    """This version's calls and the other version's over the same decode_setup (query, kv_cache,
+    tables), at the other's own choice of splits for num_seqs rows up to max_context, timed alternately
+    three times each (a drift of the GPU's clock falls on both); the medians."""
+    other_splits = against.choose_num_splits(num_seqs, NUM_KV_HEADS, max_context, num_sms)
+    other = decode_calls(*setup, against)(other_splits, None)
     this_ms, other_ms = [], []
     for _ in range(3):
         this_ms.append(graph_ms(this, ROUNDS, REPLAYS))
@@ -228,8 +240,8 @@ def time_against(
     mine, theirs = statistics.median(this_ms), statistics.median(other_ms)
     print(f"    against {against.__file__}: {theirs:.4f} ms, this {mine:.4f} ms: {theirs / mine:.3f}x")
     return {
-        "file": str(against.__file__), "ms": theirs, "gbps": moved / theirs / 1e6, "this_ms": mine,
-        "speedup": theirs / mine,
+        "file": str(against.__file__), "num_splits": other_splits, "ms": theirs,
+        "gbps": moved / theirs / 1e6, "this_ms": mine, "speedup": theirs / mine,
     }  # fmt: skip
 
 
@@ -260,10 +272,9 @@ def decode_case(
     if sweep:
         result["sweep"] = sweep_decode(calls_for, num_splits, moved)
     if against is not None:
-        other_splits = against.choose_num_splits(batch, NUM_KV_HEADS, context, num_sms)
-        other = decode_calls(query, kv_cache, tables, against)(other_splits, None)
-        result["against"] = time_against(calls_for(num_splits, None), other, moved, against)
-        result["against"]["num_splits"] = other_splits
+        result["against"] = time_against(
+            calls_for(num_splits, None), (query, kv_cache, tables), batch, context, num_sms, moved, against
+        )
     return result
 
 
@@ -356,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         "triton": triton.__version__,
         "copy_gbps": ceiling,
         "decode": bench_decode(device, properties.multi_processor_count, ceiling, args.sweep, against),
-        "decode_mixed": bench_mixed(device, ceiling, args.sweep, against),
+        "decode_mixed": bench_mixed(device, properties.multi_processor_count, ceiling, args.sweep, against),
         "decode_seed_mix": bench_seed_mix(device, properties.multi_processor_count, ceiling, against),
         "store_kv": bench_store(device, ceiling),
     }

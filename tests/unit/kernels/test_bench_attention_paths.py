@@ -34,7 +34,7 @@ def test_mixed_cases_time_every_split_and_sweep_the_first(monkeypatch, device):
     monkeypatch.setattr(bench_attention, "MIXED_CASES", [(2, 40, 5), (1, 24, 3)])
     monkeypatch.setattr(bench_attention, "MIXED_SPLITS", (1, 2))
     monkeypatch.setattr(bench_attention, "SWEEP_TILES", [(16, 4, 2), (32, 4, 2)])
-    results = bench_attention.bench_mixed(device, ceiling=100.0, sweep=True)
+    results = bench_attention.bench_mixed(device, 132, ceiling=100.0, sweep=True)
     assert [(r["decodes"], r["rows"], r["num_splits"]) for r in results] == [
         (2, 5, 1), (2, 5, 2), (1, 3, 1), (1, 3, 2),
     ]  # fmt: skip
