@@ -11,6 +11,8 @@
 # 128 in flight no slower.
 #
 # usage: scripts/kernel_ab.sh OUT_DIR     (here first: scripts/base_tree.sh prepare BASE; carry .base-tree)
+# The machine's Python needs the project's dependencies (bench imports httpx and aiohttp): where its
+# image lacks them, install their wheels into a folder and put it on PYTHONPATH first.
 # env:   BUDGET (seconds, default 500), MODEL (a model folder, default /tmp/qwen: made if missing),
 #        AGAINST (another decode_attention.py to time beside this one at the end, optional)
 # Exit status 0 when every step that ran passed, 1 otherwise, 2 for bad usage.
@@ -21,6 +23,8 @@ out=$1
 [ -f .base-tree/ref.txt ] || { echo "error: no .base-tree: run scripts/base_tree.sh prepare BASE here first" >&2; exit 2; }
 python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
   || { echo "error: no CUDA device: this script times GPU kernels" >&2; exit 2; }
+python3 -c "import bench.__main__, pytest" \
+  || { echo "error: this Python cannot import bench (install the project's dependencies, or put a folder of their wheels' contents on PYTHONPATH)" >&2; exit 2; }
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 model=${MODEL:-/tmp/qwen}
