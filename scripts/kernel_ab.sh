@@ -60,7 +60,7 @@ for level in 128 1; do
   mark "closed loops at $level in flight, this tree then the base"
   CONCURRENCY=$level DURATION=$((level == 128 ? 12 : 8)) WARMUP=$((level == 128 ? 64 : 4)) DISCARD_FIRST=0 \
     RUN_TIMEOUT=$((level == 128 ? 100 : 60)) bash scripts/option_trials.sh "$model" "$out/closed$level" '' "tree=$base" \
-    2>&1 | grep -v "^  offline\|^level\|regressions" || status=1
+    2>&1 | grep -v "^  offline\|^level\|regression" || status=1
 done
 if [ -n "${AGAINST:-}" ] && [ "$(left)" -gt 40 ]; then
   mark "kernel benchmark against $AGAINST"
