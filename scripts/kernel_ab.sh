@@ -32,6 +32,12 @@ budget=${BUDGET:-500}
 started=$SECONDS
 status=0
 left() { echo $((budget - (SECONDS - started))); }
+within() {  # SECONDS: a step's timeout, no more than what is left (and at least 1: `timeout 0` never ends)
+  local remaining
+  remaining=$(left)
+  ((remaining > $1)) && remaining=$1
+  echo $((remaining > 0 ? remaining : 1))
+}
 mark() { echo "[t=$((SECONDS - started))s] $*"; }
 base=$(mktemp -d)/base
 if [ ! -f "$model/config.json" ]; then
@@ -40,10 +46,10 @@ if [ ! -f "$model/config.json" ]; then
 fi
 bash scripts/base_tree.sh build "$base"
 mark "kernel benchmark against the base's kernel"
-timeout $(($(left) < 100 ? $(left) : 100)) python3 -m engine.kernels.bench_attention --json "$out/bench-attention.json" \
+timeout "$(within 100)" python3 -m engine.kernels.bench_attention --json "$out/bench-attention.json" \
   --against "$base/engine/kernels/decode_attention.py" 2>&1 | grep -v "^ *shared among" || status=1
 mark "GPU tests of the kernel"
-if ! timeout $(($(left) < 120 ? $(left) : 120)) python3 -m pytest tests/unit/kernels/test_decode_attention.py \
+if ! timeout "$(within 120)" python3 -m pytest tests/unit/kernels/test_decode_attention.py \
   -q -x -m gpu -p no:cacheprovider >"$out/gpu-tests.txt" 2>&1; then
   tail -5 "$out/gpu-tests.txt"
   echo "the kernel fails its GPU tests: no closed loops"
@@ -64,7 +70,7 @@ for level in 128 1; do
 done
 if [ -n "${AGAINST:-}" ] && [ "$(left)" -gt 40 ]; then
   mark "kernel benchmark against $AGAINST"
-  timeout 45 python3 -m engine.kernels.bench_attention --json "$out/bench-attention-against.json" \
+  timeout "$(within 45)" python3 -m engine.kernels.bench_attention --json "$out/bench-attention-against.json" \
     --against "$AGAINST" 2>&1 | grep "against" || status=1
 fi
 mark done
