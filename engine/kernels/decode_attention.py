@@ -190,7 +190,7 @@ def _decode_merge_kernel(
     )
 
 
-def _check_inputs(
+def check_decode_inputs(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
@@ -208,7 +208,7 @@ def _check_inputs(
     check_out(out, query)
 
 
-def _default_tile(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+def decode_tile(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) for stage 1, from compiling for sm_90 (triton 3.9): at 64 tokens x
     128 dims, 96 registers and 39 KiB of shared memory a program, so about five programs share an SM and
     keep ~160 KiB of K/V in flight. num_stages 3 also prefetches the block-table entries a tile ahead.
@@ -249,7 +249,7 @@ def paged_decode_attention(
     derived inside the kernel from the loaded seq_len; no host-device synchronisation. check=False skips
     the argument checks (~20 us of host time a call), for callers whose tensors are their own.
     """
-    block_n, num_warps, num_stages = _default_tile(query.shape[-1] if query.dim() else 0, query.dtype)
+    block_n, num_warps, num_stages = decode_tile(query.shape[-1] if query.dim() else 0, query.dtype)
     return _paged_decode_attention(
         query,
         key_cache,
@@ -283,7 +283,7 @@ def _paged_decode_attention(
 ) -> torch.Tensor:
     """paged_decode_attention with the tile configuration spelled out (tests and the benchmark sweep)."""
     if check:
-        _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, num_splits, out)
+        check_decode_inputs(query, key_cache, value_cache, block_tables, seq_lens, num_splits, out)
         if block_n < 16 or block_n & (block_n - 1):
             raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     num_seqs, num_heads, head_dim = query.shape
