@@ -51,7 +51,7 @@ timeout "$(within 100)" python3 -m engine.kernels.bench_attention --json "$out/b
   --against "$base/engine/kernels/decode_attention.py" 2>&1 | grep -v "^ *shared among" || status=1
 mark "GPU tests of the kernel"
 # shellcheck disable=SC2086  # GPU_TESTS is a list of paths
-if ! timeout "$(within 150)" python3 -m pytest ${GPU_TESTS:-tests/unit/kernels/test_*decode_attention.py} \
+if ! timeout "$(within 200)" python3 -m pytest ${GPU_TESTS:-tests/unit/kernels/test_*decode_attention.py} \
   -q -x -m gpu -p no:cacheprovider >"$out/gpu-tests.txt" 2>&1; then
   tail -5 "$out/gpu-tests.txt"
   echo "the kernel fails its GPU tests: no closed loops"
