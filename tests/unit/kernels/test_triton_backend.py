@@ -7,8 +7,8 @@ near-argmax (tests/unit/engine/test_gpu.py holds the bf16 checks against transfo
 The fused rotary path (forward(..., rotary=(cos_sin, positions))) is checked on one hand-built step
 against apply_rotary then the unfused forward: the same output, q, k and cache, bit for bit; and the
 torch backend, which does not fuse rotary, refuses it. A step with prompt chunks plans its decodes
-(engine.kernels.planned_decode_attention) and a step of decodes alone does not: both agree with the
-torch backend, and each forward pass plans afresh.
+(engine.kernels.planned_decode_attention), as does one of many decodes, and a step of a few decodes
+alone does not: all agree with the torch backend, and each forward pass plans afresh.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from test_rotary import make_cos_sin
 
 from engine import LLM, SamplingParams
 from engine.attention import AttentionMetadata, forward_context, get_backend
+from engine.attention.triton_backend import PLANNED_MIN_DECODES
 from engine.kernels import decode_attention, gemv, planned_decode_attention
 from engine.kernels.rotary import apply_rotary
 
@@ -181,15 +182,16 @@ def test_torch_backend_does_not_fuse_rotary(device):
     "context_lens,query_lens,padding_rows,planned",
     [
         ([30, 3, 9, 8], [1, 1, 1, 5], 0, True),  # decodes of 30 and 3 tokens beside a prompt chunk
-        ([30, 3, 9], [1, 1, 1], 0, False),  # decodes alone: one split count for every row
+        ([30, 3, 9], [1, 1, 1], 0, False),  # a few decodes alone: one split count for every row
+        ([30, 3] * (PLANNED_MIN_DECODES // 2), [1] * PLANNED_MIN_DECODES, 0, True),  # many decodes alone
     ],
 )
 def test_mixed_steps_plan_their_decodes_and_decode_only_steps_do_not(
     device, monkeypatch, context_lens, query_lens, padding_rows, planned
 ):
-    """A step that carries prompt chunks runs its decodes through the planned kernel (contexts cut by
-    their share of the step); a step of decodes alone through the one-split-count kernel, faster for
-    one sequence and uniform batches. Either way the output is the torch backend's."""
+    """A step that carries prompt chunks, or PLANNED_MIN_DECODES decodes or more, runs its decodes
+    through the planned kernel (contexts cut by their share of the step); a few decodes alone through
+    the one-split-count kernel, faster for one sequence. Either way the output is the torch backend's."""
     launches: dict[str, list] = {"planned": [], "one count": []}
     monkeypatch.setattr(
         planned_decode_attention,
