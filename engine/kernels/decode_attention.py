@@ -1,7 +1,9 @@
 """Paged decode attention (flash-decoding, GQA-aware): one new query token per sequence against its cache.
 
-The Triton attention backend calls `paged_decode_attention` for the decode part of a batch, with
-`num_splits` from `choose_num_splits` (fixed per CUDA-graph batch size). K/V are read in place from the
+The Triton attention backend calls `paged_decode_attention` for a step of a few decodes alone (one
+sequence, a handful; engine.kernels.planned_decode_attention serves the rest), with `num_splits` from
+`choose_num_splits` (fixed per CUDA-graph batch size). `attend_context`, the online softmax over one
+split, serves both kernels. K/V are read in place from the
 paged cache through the block table; nothing is gathered or upcast in memory. The torch attention backend
 (engine/attention/torch_backend.py) is the reference it must agree with.
 """

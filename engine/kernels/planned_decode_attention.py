@@ -1,13 +1,14 @@
 """Paged decode attention planned once a step: each sequence's context cut by its share of the step's tokens.
 
-The Triton attention backend calls `planned_decode_attention` for the decodes of a step that also carries
-prompt chunks (a mixed step), where a closed loop's contexts differ by 100x (16-token and 4,352-token
-sequences side by side) and engine.kernels.decode_attention, one split count for every row of a graph,
-waits on its longest sequence. A one-program kernel plans the step's work items on the device (row,
-start, end), every layer's split kernel reads them, and the split of a row that finishes last merges the
-row: no merge launch. Decode-only steps keep engine.kernels.decode_attention, which is faster for one
-sequence and for uniform batches (measured on an H100: the planned kernel is 0.73-0.90x there). The
-torch attention backend (engine/attention/torch_backend.py) is the reference both must agree with.
+The Triton attention backend calls `planned_decode_attention` for the decodes of a step that carries
+prompt chunks, or of PLANNED_MIN_DECODES decodes or more (engine.attention.triton_backend): there a
+closed loop's contexts differ by 100x (16-token and 4,352-token sequences side by side), and
+engine.kernels.decode_attention, one split count for every row of a graph, waits on its longest
+sequence. A one-program kernel plans the step's work items on the device (row, start, end), every
+layer's split kernel reads them, and the split of a row that finishes last merges the row: no merge
+launch. A few decodes alone keep engine.kernels.decode_attention, which is faster for one sequence
+(measured on an H100: the planned kernel is 0.73-0.90x there; level at uniform batches). The torch
+attention backend (engine/attention/torch_backend.py) is the reference both must agree with.
 """
 
 from __future__ import annotations
