@@ -14,7 +14,8 @@
 # The machine's Python needs the project's dependencies (bench imports httpx and aiohttp): where its
 # image lacks them, install their wheels into a folder and put it on PYTHONPATH first.
 # env:   BUDGET (seconds, default 500), MODEL (a model folder, default /tmp/qwen: made if missing),
-#        AGAINST (another decode_attention.py to time beside this one at the end, optional)
+#        AGAINST (another decode_attention.py to time beside this one at the end, optional),
+#        GPU_TESTS (the test files run with -m gpu; default both decode kernels' tests)
 # Exit status 0 when every step that ran passed, 1 otherwise, 2 for bad usage.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -49,7 +50,8 @@ mark "kernel benchmark against the base's kernel"
 timeout "$(within 100)" python3 -m engine.kernels.bench_attention --json "$out/bench-attention.json" \
   --against "$base/engine/kernels/decode_attention.py" 2>&1 | grep -v "^ *shared among" || status=1
 mark "GPU tests of the kernel"
-if ! timeout "$(within 120)" python3 -m pytest tests/unit/kernels/test_decode_attention.py \
+# shellcheck disable=SC2086  # GPU_TESTS is a list of paths
+if ! timeout "$(within 200)" python3 -m pytest ${GPU_TESTS:-tests/unit/kernels/test_*decode_attention.py} \
   -q -x -m gpu -p no:cacheprovider >"$out/gpu-tests.txt" 2>&1; then
   tail -5 "$out/gpu-tests.txt"
   echo "the kernel fails its GPU tests: no closed loops"

@@ -13,8 +13,12 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.kernels.planned_decode_attention import DecodePlan
 
 
 @dataclass
@@ -40,8 +44,10 @@ class AttentionMetadata:
     # Filled by the backend's prepare(), once per step, shared by every layer:
     decode_slots: torch.Tensor | None = None  # torch: [num_decodes, max_decode_len] cache slot per position
     decode_mask: torch.Tensor | None = None  # torch: [num_decodes, max_decode_len] True where it exists
-    # Triton: the decode kernel's context splits, chosen by the step's first layer for all of them
+    # Triton: the decode kernel's context splits, and in a mixed step its work items (a DecodePlan),
+    # chosen by the step's first layer for all of them
     decode_splits: int = 0
+    decode_plan: DecodePlan | None = None
     # A step with prompt chunks replayed from a captured graph (engine.runner): the kernels' grids are
     # fixed by the graph's token count, not by the step. The decode kernel covers graph_decodes rows
     # with decode_seq_lens (0 past the step's decodes: those rows output zeros, which the prefill
@@ -81,6 +87,9 @@ _current: contextvars.ContextVar[AttentionMetadata | None] = contextvars.Context
 
 @contextlib.contextmanager
 def forward_context(metadata: AttentionMetadata) -> Iterator[None]:
+    # Each forward pass plans its decodes afresh on the device: a plan launched by one pass (a warm-up)
+    # must not stand in for the next (a CUDA graph's capture, which must record the planning launch).
+    metadata.decode_plan = None
     token = _current.set(metadata)
     try:
         yield

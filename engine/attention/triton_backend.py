@@ -19,8 +19,14 @@ from engine.attention.metadata import AttentionMetadata, RotaryInputs
 from engine.kernels.ceilings import num_sms
 from engine.kernels.decode_attention import choose_num_splits, paged_decode_attention
 from engine.kernels.kv_cache import store_kv
+from engine.kernels.planned_decode_attention import plan_decode, planned_decode_attention, planned_num_splits
 from engine.kernels.prefill_attention import paged_prefill_attention
 from engine.kernels.rotary import rotary_store_kv
+
+# A decode-only step of fewer rows runs the one-split-count kernel: it cuts a lone sequence evenly and
+# merges in a launch of its own, where the plan's last-split merge is slower (an H100: one sequence
+# 0.73-0.90x); from this many rows the plan balances the contexts instead.
+PLANNED_MIN_DECODES = 16
 
 
 class TritonAttentionBackend:
@@ -81,9 +87,32 @@ class TritonAttentionBackend:
                 meta.seq_lens[decodes:],
             )
             longest_chunk = meta.max_prefill_len if decodes < meta.num_seqs else 0
-        if decodes:
-            # A pure function of the batch size and the longest context: fixed per captured graph, and
-            # chosen once a step (every layer has the same shapes).
+        if decodes >= PLANNED_MIN_DECODES or (decodes and longest_chunk):
+            # Many decodes, or a mixed step's: their contexts range from a few tokens to the longest (a
+            # closed loop's newest and oldest sequences), so they are cut by their share of the step's
+            # tokens, planned on the device by the first layer and read by every layer
+            # (engine.kernels.planned_decode_attention).
+            num_splits = meta.decode_splits
+            if not num_splits:
+                num_splits = meta.decode_splits = planned_num_splits(meta.max_decode_len)
+            if meta.decode_plan is None:
+                meta.decode_plan = plan_decode(query[:decodes], decode_lens, num_splits, key.shape[1])
+            planned_decode_attention(
+                query[:decodes],
+                kv_cache[0],
+                kv_cache[1],
+                meta.block_tables,
+                decode_lens,
+                scale,
+                num_splits,
+                out=out[:decodes],
+                plan=meta.decode_plan,
+                check=False,
+            )
+        elif decodes:
+            # A few decodes alone (one sequence, a handful): one split count for every row, a pure function of the batch size and the
+            # longest context (fixed per captured graph, chosen once a step: every layer has the same
+            # shapes). Faster than the plan for one sequence and for uniform batches.
             num_splits = meta.decode_splits
             if not num_splits:
                 num_splits = meta.decode_splits = choose_num_splits(

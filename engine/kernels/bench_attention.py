@@ -4,7 +4,8 @@ head_dim 128, block 16, bf16). `python -m engine.kernels.bench_attention [--json
 [--against FILE]`; `--sweep` also times other tile configurations and split counts, to tune
 decode_attention; `--against FILE` times another version of decode_attention.py beside this one
 on every case, each at its own choice of splits, alternating (e.g. the one a commit had:
-`git show REF:engine/kernels/decode_attention.py > FILE`).
+`git show REF:engine/kernels/decode_attention.py > FILE`). The mixed-graph and seed-mix cases also
+time planned_decode_attention, the kernel a mixed step runs, beside the one-split-count kernel.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from engine.kernels import decode_attention
 from engine.kernels.ceilings import copy_bandwidth_gbs
 from engine.kernels.decode_attention import _paged_decode_attention, choose_num_splits
 from engine.kernels.kv_cache import store_kv
+from engine.kernels.planned_decode_attention import plan_decode, planned_decode_attention, planned_num_splits
 from engine.kernels.timing import graph_ms, load_kernel_module
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 12, 2, 128, 16, torch.bfloat16
@@ -151,6 +153,12 @@ def mixed_case(
             {"decodes": batch, "rows": rows, "context": context, "num_splits": splits, "ms": milliseconds,
              "bytes": moved, "gbps": gbps, "fraction_of_copy": gbps / ceiling}
         )  # fmt: skip
+    results[0]["planned"] = time_planned(
+        calls_for(choose_num_splits(rows, NUM_KV_HEADS, GRAPH_CONTEXT, num_sms), None),
+        (query, kv_cache, tables),
+        batch,
+        moved,
+    )
     if sweep:  # the tiles at 1 and 2 splits
         results[0]["sweep"] = sweep_decode(calls_for, 1, moved)
     if against is not None:
@@ -210,6 +218,7 @@ def bench_seed_mix(
             "decodes": batch, "rows": rows, "contexts": contexts, "num_splits": splits, "ms": milliseconds,
             "bytes": moved, "gbps": gbps, "fraction_of_copy": gbps / ceiling,
         }  # fmt: skip
+        result["planned"] = time_planned(this, (query, kv_cache, tables), batch, moved)
         if against is not None:
             result["against"] = time_against(
                 this, (query, kv_cache, tables), rows, GRAPH_CONTEXT, num_sms, moved, against
@@ -217,6 +226,47 @@ def bench_seed_mix(
         results.append(result)
     torch.cuda.empty_cache()
     return results
+
+
+def time_planned(
+    one_count: list[Callable[[], object]],
+    setup: tuple[torch.Tensor, torch.Tensor, list],
+    decodes: int,
+    moved: int,
+) -> dict:
+    """The planned kernel (what a mixed step's decodes run) over the same decode_setup, beside the
+    one-split-count kernel's calls, alternately three times each; the medians. Each copy is planned
+    once outside the timed calls, as the engine plans once a step for all layers; the plan is timed
+    apart. decodes: the rows that hold contexts (the rest of a graph's rows are empty)."""
+    query, kv_cache, tables = setup
+    out = torch.empty_like(query)
+    scale = HEAD_DIM**-0.5
+    num_splits = planned_num_splits(GRAPH_CONTEXT)
+    plans = [plan_decode(query, seq_lens, num_splits, NUM_KV_HEADS) for _, seq_lens in tables]
+
+    def call(block_tables: torch.Tensor, seq_lens: torch.Tensor, plan) -> Callable[[], object]:
+        return lambda: planned_decode_attention(
+            query, kv_cache[0], kv_cache[1], block_tables, seq_lens, scale, num_splits, out=out, plan=plan
+        )
+
+    planned = [
+        call(block_tables, seq_lens, plan)
+        for (block_tables, seq_lens), plan in zip(tables, plans, strict=True)
+    ]
+    planned_ms, one_count_ms = [], []
+    for _ in range(3):
+        planned_ms.append(graph_ms(planned, ROUNDS, REPLAYS))
+        one_count_ms.append(graph_ms(one_count, ROUNDS, REPLAYS))
+    plan_ms = graph_ms([lambda: plan_decode(query, tables[0][1], num_splits, NUM_KV_HEADS)], ROUNDS, REPLAYS)
+    mine, theirs = statistics.median(planned_ms), statistics.median(one_count_ms)
+    print(
+        f"    planned (a mixed step's kernel): {mine:.4f} ms, {theirs / mine:.3f}x the one-count kernel's "
+        f"{theirs:.4f} ms; its plan {plan_ms:.4f} ms once a step"
+    )
+    return {
+        "decodes": decodes, "num_splits": num_splits, "ms": mine, "gbps": moved / mine / 1e6,
+        "one_count_ms": theirs, "speedup": theirs / mine, "plan_ms": plan_ms,
+    }  # fmt: skip
 
 
 def time_against(

@@ -1,7 +1,9 @@
 """Paged decode attention (flash-decoding, GQA-aware): one new query token per sequence against its cache.
 
-The Triton attention backend calls `paged_decode_attention` for the decode part of a batch, with
-`num_splits` from `choose_num_splits` (fixed per CUDA-graph batch size). K/V are read in place from the
+The Triton attention backend calls `paged_decode_attention` for a step of a few decodes alone (one
+sequence, a handful; engine.kernels.planned_decode_attention serves the rest), with `num_splits` from
+`choose_num_splits` (fixed per CUDA-graph batch size). `attend_context`, the online softmax over one
+split, serves both kernels. K/V are read in place from the
 paged cache through the block table; nothing is gathered or upcast in memory. The torch attention backend
 (engine/attention/torch_backend.py) is the reference it must agree with.
 """
@@ -35,6 +37,56 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sm
     wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, programs)
     by_length = max_context // MIN_SPLIT_TOKENS
     return max(1, min(wanted, by_length, MAX_SPLITS))
+
+
+@triton.jit
+def attend_context(
+    q,  # [BLOCK_G, HEAD_DIM]: one KV head's group of query heads (padded rows zero)
+    key_base,  # key cache pointer at this KV head
+    value_base,
+    block_table_row,  # the sequence's row of the block table
+    start,  # context positions [start, end) of this split
+    end,
+    qk_scale,
+    stride_k_block,
+    stride_k_slot,
+    stride_v_block,
+    stride_v_slot,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax of q over one split of a paged context, BLOCK_N tokens a tile: (m, l, acc), the
+    running max of base-2 scores, the sum of exp2(score - m), and the unnormalised P @ V. Both decode
+    kernels (this module's and engine.kernels.planned_decode_attention's) stream their splits through it.
+    An empty split (start >= end) returns l = 0."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of base-2 scores
+    l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(score - m_i)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    for tile_start in range(start, end, BLOCK_N):
+        tokens = tile_start + offs_n  # [BLOCK_N] context positions
+        mask_n = tokens < end
+        # Per-token slot lookup, so BLOCK_N is independent of the cache's block size.
+        block_ids = tl.load(block_table_row + tokens // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
+        slot_in_block = tokens % BLOCK_SIZE
+        key_rows = block_ids * stride_k_block + slot_in_block * stride_k_slot  # [BLOCK_N], int64
+        k = tl.load(key_base + key_rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
+        scores = tl.where(mask_n[None, :], scores, float("-inf"))
+        # Each tile has at least one valid token, so m_new is finite and no row becomes NaN.
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        value_rows = block_ids * stride_v_block + slot_in_block * stride_v_slot
+        v = tl.load(value_base + value_rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -88,7 +140,6 @@ def _decode_split_kernel(
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM)
-    offs_n = tl.arange(0, BLOCK_N)
     mask_g = offs_g < GROUP_SIZE
     heads = kv_head * GROUP_SIZE + offs_g  # [BLOCK_G] query heads served by this KV head
     q = tl.load(
@@ -97,32 +148,24 @@ def _decode_split_kernel(
         other=0.0,
     )  # [BLOCK_G, HEAD_DIM]; padded rows are zero and are never stored
 
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of base-2 scores
-    l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(score - m_i)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    block_table_row = block_tables_ptr + seq * stride_bt_seq
-    key_base = key_cache_ptr + kv_head * stride_k_head
-    value_base = value_cache_ptr + kv_head * stride_v_head
-
-    for tile_start in range(start, end, BLOCK_N):
-        tokens = tile_start + offs_n  # [BLOCK_N] context positions
-        mask_n = tokens < end
-        # Per-token slot lookup, so BLOCK_N is independent of the cache's block size.
-        block_ids = tl.load(block_table_row + tokens // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
-        slot_in_block = tokens % BLOCK_SIZE
-        key_rows = block_ids * stride_k_block + slot_in_block * stride_k_slot  # [BLOCK_N], int64
-        k = tl.load(key_base + key_rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
-        scores = tl.where(mask_n[None, :], scores, float("-inf"))
-        # Each tile has at least one valid token, so m_new is finite and no row becomes NaN.
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        value_rows = block_ids * stride_v_block + slot_in_block * stride_v_slot
-        v = tl.load(value_base + value_rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    m_i, l_i, acc = attend_context(
+        q,
+        key_cache_ptr + kv_head * stride_k_head,
+        value_cache_ptr + kv_head * stride_v_head,
+        block_tables_ptr + seq * stride_bt_seq,
+        start,
+        end,
+        qk_scale,
+        stride_k_block,
+        stride_k_slot,
+        stride_v_block,
+        stride_v_slot,
+        BLOCK_G,
+        HEAD_DIM,
+        BLOCK_SIZE,
+        BLOCK_N,
+        DOT_PRECISION,
+    )
 
     # An empty split (or seq_len 0) has l_i = 0: it outputs zeros and lse = -inf, never NaN.
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -190,7 +233,7 @@ def _decode_merge_kernel(
     )
 
 
-def _check_inputs(
+def check_decode_inputs(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
@@ -208,7 +251,7 @@ def _check_inputs(
     check_out(out, query)
 
 
-def _default_tile(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+def decode_tile(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) for stage 1, from compiling for sm_90 (triton 3.9): at 64 tokens x
     128 dims, 96 registers and 39 KiB of shared memory a program, so about five programs share an SM and
     keep ~160 KiB of K/V in flight. num_stages 3 also prefetches the block-table entries a tile ahead.
@@ -249,7 +292,7 @@ def paged_decode_attention(
     derived inside the kernel from the loaded seq_len; no host-device synchronisation. check=False skips
     the argument checks (~20 us of host time a call), for callers whose tensors are their own.
     """
-    block_n, num_warps, num_stages = _default_tile(query.shape[-1] if query.dim() else 0, query.dtype)
+    block_n, num_warps, num_stages = decode_tile(query.shape[-1] if query.dim() else 0, query.dtype)
     return _paged_decode_attention(
         query,
         key_cache,
@@ -283,7 +326,7 @@ def _paged_decode_attention(
 ) -> torch.Tensor:
     """paged_decode_attention with the tile configuration spelled out (tests and the benchmark sweep)."""
     if check:
-        _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, num_splits, out)
+        check_decode_inputs(query, key_cache, value_cache, block_tables, seq_lens, num_splits, out)
         if block_n < 16 or block_n & (block_n - 1):
             raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     num_seqs, num_heads, head_dim = query.shape

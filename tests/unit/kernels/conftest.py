@@ -32,3 +32,20 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device() -> torch.device:
     return torch.device("cuda" if ON_CUDA else "cpu")
+
+
+# The interpreter runs a kernel's programs one after another in Python, idle ones too: the planned decode
+# kernel's grid (FILL_PER_SM programs a SM over the KV heads, however few the rows) would spend most of a
+# tiny model's test on programs with no work item. Under the interpreter its grids are sized for a
+# device of this many SMs; the planning is the same arithmetic at any count (test_planned_decode_attention
+# sweeps the program counts themselves).
+INTERPRETER_SMS = 8
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_sized_grids(monkeypatch):
+    if INTERPRET and not ON_CUDA:
+        from engine.kernels import planned_decode_attention
+
+        monkeypatch.setattr(planned_decode_attention, "num_sms", lambda device_index=None: INTERPRETER_SMS)
+    yield

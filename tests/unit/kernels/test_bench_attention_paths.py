@@ -1,5 +1,5 @@
-"""engine.kernels.bench_attention's mixed-graph and seed-mix cases, their sweeps and the comparison with
-another version of the kernel run end to end (on CPU through the interpreter, with one untimed call
+"""engine.kernels.bench_attention's mixed-graph and seed-mix cases, their sweeps, the planned kernel
+beside the one-split-count one and the comparison with another version of the kernel run end to end (on CPU through the interpreter, with one untimed call
 standing in for the graph timing)."""
 
 from __future__ import annotations
@@ -44,7 +44,12 @@ def test_mixed_cases_time_every_split_and_sweep_the_first(monkeypatch, device):
         (1, (16, 4, 2)), (1, (32, 4, 2)), (2, (16, 4, 2)), (2, (32, 4, 2)),
     ]  # fmt: skip
     assert all("sweep" not in r for r in results[1:])
-    assert timed == [2] * (4 + 4)
+    # each case's first entry: the planned kernel (a mixed step's) beside the one-count kernel, three
+    # times each alternating, and its plan once
+    for first in (results[0], results[2]):
+        assert first["planned"]["speedup"] == 1.0 and first["planned"]["num_splits"] == 16
+    assert first["planned"]["decodes"] == 1
+    assert timed == [2] * 2 + [2] * 6 + [1] + [2] * 4 + [2] * 2 + [2] * 6 + [1]  # splits, planned, sweep
     element = torch.finfo(bench_attention.DTYPE).bits // 8
     assert (
         results[0]["bytes"] >= 2 * 40 * bench_attention.NUM_KV_HEADS * bench_attention.HEAD_DIM * element * 2
@@ -64,7 +69,8 @@ def test_seed_mix_cases_time_this_version_against_another(monkeypatch, device):
     assert result["decodes"] == 3 and result["rows"] == 5 and len(result["contexts"]) == 3
     assert all(16 < length <= 300 + 256 for length in result["contexts"])
     assert result["against"]["speedup"] == 1.0 and result["against"]["file"] == decode_attention.__file__
-    assert timed == [1] * (1 + 2 * 3)
+    assert result["planned"]["speedup"] == 1.0 and result["planned"]["plan_ms"] == 0.25
+    assert timed == [1] * (1 + 2 * 3 + 1 + 2 * 3)
 
 
 def test_decode_setup_takes_a_context_a_sequence():

@@ -6,7 +6,9 @@ near-argmax (tests/unit/engine/test_gpu.py holds the bf16 checks against transfo
 
 The fused rotary path (forward(..., rotary=(cos_sin, positions))) is checked on one hand-built step
 against apply_rotary then the unfused forward: the same output, q, k and cache, bit for bit; and the
-torch backend, which does not fuse rotary, refuses it.
+torch backend, which does not fuse rotary, refuses it. A step with prompt chunks plans its decodes
+(engine.kernels.planned_decode_attention), as does one of many decodes, and a step of a few decodes
+alone does not: all agree with the torch backend, and each forward pass plans afresh.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import torch
 from test_rotary import make_cos_sin
 
 from engine import LLM, SamplingParams
-from engine.attention import AttentionMetadata, get_backend
-from engine.kernels import gemv
+from engine.attention import AttentionMetadata, forward_context, get_backend
+from engine.attention.triton_backend import PLANNED_MIN_DECODES
+from engine.kernels import decode_attention, gemv, planned_decode_attention
 from engine.kernels.rotary import apply_rotary
 
 ON_CUDA = torch.cuda.is_available()
@@ -173,3 +176,62 @@ def test_torch_backend_does_not_fuse_rotary(device):
     backend.prepare(meta)
     with pytest.raises(ValueError, match="does not fuse rotary"):
         backend.forward(*split_qkv(qkv), kv_cache, meta, 0.25, rotary=(cos_sin, positions))
+
+
+@pytest.mark.parametrize(
+    "context_lens,query_lens,padding_rows,planned",
+    [
+        ([30, 3, 9, 8], [1, 1, 1, 5], 0, True),  # decodes of 30 and 3 tokens beside a prompt chunk
+        ([30, 3, 9], [1, 1, 1], 0, False),  # a few decodes alone: one split count for every row
+        ([30, 3] * (PLANNED_MIN_DECODES // 2), [1] * PLANNED_MIN_DECODES, 0, True),  # many decodes alone
+    ],
+)
+def test_mixed_steps_plan_their_decodes_and_decode_only_steps_do_not(
+    device, monkeypatch, context_lens, query_lens, padding_rows, planned
+):
+    """A step that carries prompt chunks, or PLANNED_MIN_DECODES decodes or more, runs its decodes
+    through the planned kernel (contexts cut by their share of the step); a few decodes alone through
+    the one-split-count kernel, faster for one sequence. Either way the output is the torch backend's."""
+    launches: dict[str, list] = {"planned": [], "one count": []}
+    monkeypatch.setattr(
+        planned_decode_attention,
+        "_decode_split_kernel",
+        CountingKernel(planned_decode_attention._decode_split_kernel, launches["planned"]),
+    )
+    monkeypatch.setattr(
+        decode_attention,
+        "_decode_split_kernel",
+        CountingKernel(decode_attention._decode_split_kernel, launches["one count"]),
+    )
+    outputs = []
+    for name in ("torch", "triton"):
+        backend = get_backend(name)
+        qkv, meta, _, kv_cache, _ = make_step(context_lens, query_lens, padding_rows, torch.float32, device)
+        backend.prepare(meta)
+        with forward_context(meta):
+            outputs.append(backend.forward(*split_qkv(qkv), kv_cache, meta, 0.25))
+    torch.testing.assert_close(outputs[1], outputs[0], atol=2e-5, rtol=2e-5)
+    assert (meta.decode_plan is not None) == planned
+    assert (len(launches["planned"]), len(launches["one count"])) == ((1, 0) if planned else (0, 1))
+
+
+def test_each_forward_pass_plans_its_decodes_afresh(device):
+    """A mixed step's work items are planned on the device by a pass's first layer and shared by the
+    rest. A CUDA graph is captured with the metadata of its warm-up pass and replayed over new lengths:
+    a second pass over the same metadata, its lengths changed in place, must attend over the new ones,
+    not reuse the first pass's plan."""
+    backend = get_backend("triton")
+    qkv, meta, _, kv_cache, _ = make_step([30, 9, 8], [1, 1, 5], 0, torch.float32, device)
+    with forward_context(meta):
+        backend.forward(*split_qkv(qkv), kv_cache.clone(), meta, 0.25)
+    first_plan = meta.decode_plan
+    assert first_plan is not None
+    qkv2, meta2, _, kv_cache2, _ = make_step([3, 9, 8], [1, 1, 5], 0, torch.float32, device)
+    for name in ("slot_mapping", "seq_lens", "block_tables", "query_start_loc"):
+        getattr(meta, name).copy_(getattr(meta2, name))  # as a graph's step buffers are refilled
+    with forward_context(meta):
+        replayed = backend.forward(*split_qkv(qkv2.clone()), kv_cache2.clone(), meta, 0.25)
+    assert meta.decode_plan is not first_plan
+    with forward_context(meta2):
+        expected = backend.forward(*split_qkv(qkv2.clone()), kv_cache2.clone(), meta2, 0.25)
+    assert torch.equal(replayed, expected)
