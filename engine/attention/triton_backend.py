@@ -110,9 +110,9 @@ class TritonAttentionBackend:
                 check=False,
             )
         elif decodes:
-            # A few decodes alone (one sequence, a handful): one split count for every row, a pure function of the batch size and the
-            # longest context (fixed per captured graph, chosen once a step: every layer has the same
-            # shapes). Faster than the plan for one sequence and for uniform batches.
+            # A few decodes alone (one sequence, a handful): one split count for every row, a pure
+            # function of the batch size and the longest context (fixed per captured graph, chosen once
+            # a step: every layer has the same shapes). Faster than the plan for one sequence.
             num_splits = meta.decode_splits
             if not num_splits:
                 num_splits = meta.decode_splits = choose_num_splits(
