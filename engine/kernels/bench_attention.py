@@ -5,7 +5,8 @@ head_dim 128, block 16, bf16). `python -m engine.kernels.bench_attention [--json
 decode_attention; `--against FILE` times another version of decode_attention.py beside this one
 on every case, each at its own choice of splits, alternating (e.g. the one a commit had:
 `git show REF:engine/kernels/decode_attention.py > FILE`). The mixed-graph and seed-mix cases also
-time planned_decode_attention, the kernel a mixed step runs, beside the one-split-count kernel.
+time planned_decode_attention, the kernel the engine runs there (mixed steps, and steps of
+PLANNED_MIN_DECODES decodes or more), beside the one-split-count kernel.
 """
 
 from __future__ import annotations
@@ -153,20 +154,23 @@ def mixed_case(
             {"decodes": batch, "rows": rows, "context": context, "num_splits": splits, "ms": milliseconds,
              "bytes": moved, "gbps": gbps, "fraction_of_copy": gbps / ceiling}
         )  # fmt: skip
+    graph_splits = choose_num_splits(rows, NUM_KV_HEADS, GRAPH_CONTEXT, num_sms)  # this graph's choice
     results[0]["planned"] = time_planned(
-        calls_for(choose_num_splits(rows, NUM_KV_HEADS, GRAPH_CONTEXT, num_sms), None),
-        (query, kv_cache, tables),
-        batch,
-        moved,
+        calls_for(graph_splits, None), (query, kv_cache, tables), batch, moved
     )
     if sweep:  # the tiles at 1 and 2 splits
         results[0]["sweep"] = sweep_decode(calls_for, 1, moved)
     if against is not None:
-        splits = choose_num_splits(rows, NUM_KV_HEADS, GRAPH_CONTEXT, num_sms)
         results[0]["against"] = time_against(
-            calls_for(splits, None), (query, kv_cache, tables), rows, GRAPH_CONTEXT, num_sms, moved, against
+            calls_for(graph_splits, None),
+            (query, kv_cache, tables),
+            rows,
+            GRAPH_CONTEXT,
+            num_sms,
+            moved,
+            against,
         )
-        results[0]["against"]["this_num_splits"] = splits
+        results[0]["against"]["this_num_splits"] = graph_splits
     return results
 
 
@@ -228,14 +232,26 @@ def bench_seed_mix(
     return results
 
 
+def alternate_medians(
+    first: list[Callable[[], object]], second: list[Callable[[], object]]
+) -> tuple[float, float]:
+    """Two sets of calls timed alternately three times each (a drift of the GPU's clock falls on both):
+    the median ms of each."""
+    first_ms, second_ms = [], []
+    for _ in range(3):
+        first_ms.append(graph_ms(first, ROUNDS, REPLAYS))
+        second_ms.append(graph_ms(second, ROUNDS, REPLAYS))
+    return statistics.median(first_ms), statistics.median(second_ms)
+
+
 def time_planned(
     one_count: list[Callable[[], object]],
     setup: tuple[torch.Tensor, torch.Tensor, list],
     decodes: int,
     moved: int,
 ) -> dict:
-    """The planned kernel (what a mixed step's decodes run) over the same decode_setup, beside the
-    one-split-count kernel's calls, alternately three times each; the medians. Each copy is planned
+    """The planned kernel (what the engine runs for a mixed step's decodes, or 16 or more) over the same
+    decode_setup, beside the one-split-count kernel's calls, alternately three times each; the medians. Each copy is planned
     once outside the timed calls, as the engine plans once a step for all layers; the plan is timed
     apart. decodes: the rows that hold contexts (the rest of a graph's rows are empty)."""
     query, kv_cache, tables = setup
@@ -253,14 +269,10 @@ def time_planned(
         call(block_tables, seq_lens, plan)
         for (block_tables, seq_lens), plan in zip(tables, plans, strict=True)
     ]
-    planned_ms, one_count_ms = [], []
-    for _ in range(3):
-        planned_ms.append(graph_ms(planned, ROUNDS, REPLAYS))
-        one_count_ms.append(graph_ms(one_count, ROUNDS, REPLAYS))
+    mine, theirs = alternate_medians(planned, one_count)
     plan_ms = graph_ms([lambda: plan_decode(query, tables[0][1], num_splits, NUM_KV_HEADS)], ROUNDS, REPLAYS)
-    mine, theirs = statistics.median(planned_ms), statistics.median(one_count_ms)
     print(
-        f"    planned (a mixed step's kernel): {mine:.4f} ms, {theirs / mine:.3f}x the one-count kernel's "
+        f"    planned (the engine's kernel here): {mine:.4f} ms, {theirs / mine:.3f}x the one-count kernel's "
         f"{theirs:.4f} ms; its plan {plan_ms:.4f} ms once a step"
     )
     return {
@@ -283,11 +295,7 @@ def time_against(
     three times each (a drift of the GPU's clock falls on both); the medians."""
     other_splits = against.choose_num_splits(num_seqs, NUM_KV_HEADS, max_context, num_sms)
     other = decode_calls(*setup, against)(other_splits, None)
-    this_ms, other_ms = [], []
-    for _ in range(3):
-        this_ms.append(graph_ms(this, ROUNDS, REPLAYS))
-        other_ms.append(graph_ms(other, ROUNDS, REPLAYS))
-    mine, theirs = statistics.median(this_ms), statistics.median(other_ms)
+    mine, theirs = alternate_medians(this, other)
     print(f"    against {against.__file__}: {theirs:.4f} ms, this {mine:.4f} ms: {theirs / mine:.3f}x")
     return {
         "file": str(against.__file__), "num_splits": other_splits, "ms": theirs,
