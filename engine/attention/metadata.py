@@ -44,8 +44,8 @@ class AttentionMetadata:
     # Filled by the backend's prepare(), once per step, shared by every layer:
     decode_slots: torch.Tensor | None = None  # torch: [num_decodes, max_decode_len] cache slot per position
     decode_mask: torch.Tensor | None = None  # torch: [num_decodes, max_decode_len] True where it exists
-    # Triton: the decode kernel's context splits, and in a mixed step its work items (a DecodePlan),
-    # chosen by the step's first layer for all of them
+    # Triton: the decode kernel's context splits, and where the planned kernel runs (a mixed step, or
+    # many decodes) its work items (a DecodePlan), chosen by the step's first layer for all of them
     decode_splits: int = 0
     decode_plan: DecodePlan | None = None
     # A step with prompt chunks replayed from a captured graph (engine.runner): the kernels' grids are

@@ -44,11 +44,11 @@ def planned_num_splits(max_context: int) -> int:
 FILL_PER_SM = 1.5
 
 
-def fill_programs(num_kv_heads: int, num_sms: int, per_sm: float = FILL_PER_SM) -> int:
-    """The split kernel's programs a KV head that a step's tokens are shared among (per_sm a SM over the
-    KV heads): the plan's split length is the step's tokens over this many. The grid holds this many
+def fill_programs(num_kv_heads: int, num_sms: int) -> int:
+    """The split kernel's programs a KV head that a step's tokens are shared among (FILL_PER_SM a SM over
+    the KV heads): the plan's split length is the step's tokens over this many. The grid holds this many
     programs more than the rows, so that every item has one."""
-    return max(1, int(per_sm * num_sms / num_kv_heads))
+    return max(1, int(FILL_PER_SM * num_sms / num_kv_heads))
 
 
 @dataclass(frozen=True)
@@ -390,9 +390,8 @@ def _planned_decode_attention(
     plan: DecodePlan | None = None,
     check: bool = True,
 ) -> torch.Tensor:
-    """planned_decode_attention with the tile configuration spelled out (tests and the benchmark sweep).
-    fill: the programs a KV head the step's tokens are shared among (default fill_programs); a plan's
-    own win."""
+    """planned_decode_attention with the tile configuration spelled out (the tests' interpreter tiles).
+    fill: plan_decode's, for the plan made here when none is given (a given plan has its own)."""
     if check:
         check_decode_inputs(query, key_cache, value_cache, block_tables, seq_lens, num_splits, out)
         if block_n < 16 or block_n & (block_n - 1):
