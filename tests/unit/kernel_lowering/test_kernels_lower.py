@@ -145,16 +145,11 @@ def test_decode_kernels_lower(num_splits):
     if num_splits > 1:
         lowers(one_count, "_decode_merge_kernel", launch)
     planned = planned_decode_attention
-    lowers(planned, "_decode_plan_kernel", lambda: planned.plan_decode(query, seq_lens, num_splits, KV_HEADS))
-    programs = planned.fill_programs(KV_HEADS, 132) + len(lens)
-    plan = planned.DecodePlan(
-        torch.zeros(programs, 4, dtype=torch.int32), torch.zeros(2 * len(lens), dtype=torch.int32),
-        torch.zeros(len(lens) * KV_HEADS, dtype=torch.int32), len(lens), num_splits, programs,
-    )  # fmt: skip
 
-    def launch_planned() -> None:
-        planned.planned_decode_attention(*args, plan=plan)
+    def launch_planned() -> None:  # without a plan: the launcher plans first (both kernels recorded)
+        planned.planned_decode_attention(*args)
 
+    lowers(planned, "_decode_plan_kernel", launch_planned)
     assert all("tt.atomic_rmw" in ir for ir in lowers(planned, "_decode_split_kernel", launch_planned))
 
 
