@@ -79,7 +79,10 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+# The step's metadata pointers are read a scalar at a time, and a step's chunks start anywhere in the
+# step buffers (past its decodes): their alignment is not specialised, so that an eager step's slice
+# compiles no variant of its own while serving.
+@triton.jit(do_not_specialize_on_alignment=["block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"])
 def _prefill_kernel(
     query_ptr,  # [num_tokens, num_heads, head_dim]
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
