@@ -121,6 +121,51 @@ def test_mixed_step_graphs_replay_what_eager_steps_compute(tiny_model_dir):
     assert sum(chunks > 0 for chunks, _ in replayed) >= 10, mixed_steps
 
 
+def test_serving_compiles_no_kernel_after_start_up(tiny_model_dir):
+    """A Triton kernel variant first met while serving compiles on the engine's loop and stalls every
+    request (on a fresh H100 the decode plan kernel once compiled ~10 times in closed loops, before its
+    counts were unspecialised). After start-up, steps of every kind (decodes alone from 1 to 48 rows,
+    mixed steps replayed and eager, past the mixed graphs' largest size; greedy and sampled) must find
+    every variant compiled: Triton's compile hook, which sees every in-process cache miss, stays silent."""
+    import triton
+
+    llm = LLM(
+        str(tiny_model_dir),
+        device="cuda",
+        dtype="bfloat16",
+        max_model_len=2048,
+        max_num_batched_tokens=1024,
+        max_num_seqs=48,
+        mixed_graph_max_tokens=256,
+    )
+    compiled: list[str] = []
+
+    def note(*, key, repr, fn, compile, is_manual_warmup, already_compiled):  # Triton's keyword names
+        compiled.append(repr)
+        return None
+
+    previous = triton.knobs.runtime.jit_cache_hook
+    triton.knobs.runtime.jit_cache_hook = note
+    try:
+        rng = random.Random(5)
+        lengths = [rng.choice((1, 3, 17, 100, 300, 700, 1500)) for _ in range(96)]
+        prompts = [[rng.randrange(1000, 30000) for _ in range(n)] for n in lengths]
+        params = [
+            SamplingParams(
+                max_tokens=rng.randrange(1, 80),
+                temperature=rng.choice((0.0, 1.0)),
+                top_p=rng.choice((1.0, 0.9)),
+                ignore_eos=True,
+            )
+            for _ in prompts
+        ]
+        outputs = llm.generate(prompts, params)
+    finally:
+        triton.knobs.runtime.jit_cache_hook = previous
+    assert [len(o.token_ids) for o in outputs] == [p.max_tokens for p in params]
+    assert not compiled, f"{len(compiled)} kernel variants compiled while serving: {compiled[:5]}"
+
+
 def _noting(prepare, steps: list):
     """ModelRunner.prepare that notes each step's (prompt chunks, mixed graph size or 0)."""
 
