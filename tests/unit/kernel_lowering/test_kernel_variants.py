@@ -18,49 +18,20 @@ argument binder for an sm_90 target, as a CUDA launch would compute it. Runs wit
 
 from __future__ import annotations
 
-import os
 import random
 from collections import defaultdict
 
 import pytest
+from sm90 import KERNEL_MODULES, TARGET, jit_kernels
+from triton.compiler.compiler import make_backend
+from triton.runtime.jit import create_function_from_signature
 
-triton = pytest.importorskip("triton")
-if os.environ.get("TRITON_INTERPRET") == "1":
-    pytest.skip(
-        "the interpreter's kernels are not compiled: run without TRITON_INTERPRET", allow_module_level=True
-    )
+from engine import LLM, SamplingParams
+from engine.attention.triton_backend import PLANNED_MIN_DECODES
+from engine.cuda_graphs import batch_size_ladder
+from engine.kernels.planned_decode_attention import plan_rows_block
 
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler.compiler import make_backend  # noqa: E402
-from triton.runtime.jit import create_function_from_signature  # noqa: E402
-
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.attention.triton_backend import PLANNED_MIN_DECODES  # noqa: E402
-from engine.cuda_graphs import batch_size_ladder  # noqa: E402
-from engine.kernels import (  # noqa: E402
-    activation,
-    decode_attention,
-    gemv,
-    kv_cache,
-    norm,
-    planned_decode_attention,
-    prefill_attention,
-    rotary,
-)
-from engine.kernels.planned_decode_attention import plan_rows_block  # noqa: E402
-
-BACKEND = make_backend(GPUTarget("cuda", 90, 32))
-# The model's elementwise kernels and matmul too: on CPU they would otherwise try to launch.
-MODULES = (
-    activation,
-    decode_attention,
-    gemv,
-    kv_cache,
-    norm,
-    planned_decode_attention,
-    prefill_attention,
-    rotary,
-)
+BACKEND = make_backend(TARGET)
 
 
 class VariantRecorder:
@@ -89,10 +60,10 @@ class VariantRecorder:
 def variants(monkeypatch) -> dict[str, dict]:
     """kernel ("module.name") -> {variant: its constexprs}, for every launch from now on."""
     seen: dict[str, dict] = defaultdict(dict)
-    for module in MODULES:
-        for key, value in list(vars(module).items()):
-            if isinstance(value, triton.runtime.JITFunction):
-                monkeypatch.setattr(module, key, VariantRecorder(value, module, seen))
+    # The model's elementwise kernels and matmul too: on CPU they would otherwise try to launch.
+    for module in KERNEL_MODULES:
+        for key, kernel in jit_kernels(module).items():
+            monkeypatch.setattr(module, key, VariantRecorder(kernel, module, seen))
     return seen
 
 

@@ -12,23 +12,15 @@ kernels are interpreter objects and these tests skip.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import pytest
 import torch
+from sm90 import TARGET, jit_kernels, triton
+from triton.compiler import ASTSource
+from triton.compiler.compiler import make_backend
 
-triton = pytest.importorskip("triton")
-if os.environ.get("TRITON_INTERPRET") == "1":
-    pytest.skip(
-        "the interpreter's kernels are not compiled: run without TRITON_INTERPRET", allow_module_level=True
-    )
-
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-from triton.compiler.compiler import make_backend  # noqa: E402
-
-from engine.kernels import (  # noqa: E402
+from engine.kernels import (
     activation,
     decode_attention,
     gemv,
@@ -40,7 +32,6 @@ from engine.kernels import (  # noqa: E402
     sampling,
 )
 
-TARGET = GPUTarget("cuda", 90, 32)
 POINTER_TYPES = {
     torch.bfloat16: "*bf16",
     torch.float16: "*fp16",
@@ -104,9 +95,7 @@ def lower(kernel, args: tuple, kwargs: dict) -> str:
 def lowers(module, name: str, launch: Callable[[], object]) -> list[str]:
     """Triton IR of each launch of module.name that `launch` makes, with every kernel of the module
     replaced by a recorder meanwhile (so that none runs)."""
-    kernels = {
-        key: value for key, value in vars(module).items() if isinstance(value, triton.runtime.JITFunction)
-    }
+    kernels = jit_kernels(module)
     recorders = {key: Recorder() for key in kernels}
     with pytest.MonkeyPatch.context() as patch:
         for key, recorder in recorders.items():
