@@ -79,9 +79,10 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-# The step's metadata pointers are read a scalar at a time, and a step's chunks start anywhere in the
-# step buffers (past its decodes): their alignment is not specialised, so that an eager step's slice
-# compiles no variant of its own while serving.
+# The step's metadata is read a scalar at a time (offsets, lengths) or gathered (a block id a token), so
+# no load gains by its pointers' alignment; and an eager step's chunks start anywhere in the step
+# buffers (past its decodes): their alignment is not specialised, so that such a step's slices compile
+# no variant of their own while serving.
 @triton.jit(do_not_specialize_on_alignment=["block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"])
 def _prefill_kernel(
     query_ptr,  # [num_tokens, num_heads, head_dim]
