@@ -125,7 +125,7 @@ def test_serving_compiles_no_kernel_after_start_up(tiny_model_dir):
     """A Triton kernel variant first met while serving compiles on the engine's loop and stalls every
     request (on a fresh H100 the decode plan kernel once compiled ~10 times in closed loops, before its
     counts were unspecialised). After start-up, steps of every kind (decodes alone from 1 to 48 rows,
-    mixed steps replayed and eager, past the mixed graphs' largest size; greedy and sampled) must find
+    mixed steps replayed and eager, past the mixed graphs' largest size; each sampling path) must find
     every variant compiled: Triton's compile hook, which sees every in-process cache miss, stays silent."""
     import triton
 
@@ -150,13 +150,16 @@ def test_serving_compiles_no_kernel_after_start_up(tiny_model_dir):
         rng = random.Random(5)
         lengths = [rng.choice((1, 3, 17, 100, 300, 700, 1500)) for _ in range(96)]
         prompts = [[rng.randrange(1000, 30000) for _ in range(n)] for n in lengths]
+        # Greedy and sampled rows side by side; nucleus, top-k and min-p, the penalties.
+        modes = (
+            {"temperature": 0.0},
+            {"temperature": 1.0},
+            {"temperature": 1.0, "top_p": 0.9},
+            {"temperature": 0.7, "top_k": 20, "min_p": 0.05},
+            {"temperature": 1.0, "presence_penalty": 0.4, "repetition_penalty": 1.2},
+        )
         params = [
-            SamplingParams(
-                max_tokens=rng.randrange(1, 80),
-                temperature=rng.choice((0.0, 1.0)),
-                top_p=rng.choice((1.0, 0.9)),
-                ignore_eos=True,
-            )
+            SamplingParams(max_tokens=rng.randrange(1, 80), ignore_eos=True, **rng.choice(modes))
             for _ in prompts
         ]
         outputs = llm.generate(prompts, params)
