@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
+from engine import kernel_compiles
 from engine.block_allocator import BlockAllocator
 from engine.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
 from engine.errors import InvalidRequestError
@@ -51,6 +52,9 @@ class EngineStats:
     kv_blocks_cached: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # Triton kernel variants compiled since the engine was ready (engine.kernel_compiles): 0 unless a
+    # step met a variant the start-up did not.
+    kernel_compiles: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -98,6 +102,7 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs, detokenize: bool = True) -> None:
         self.args = args
+        kernel_compiles.install()
         self.model_config = ModelConfig.from_dir(args.model)
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.model_config.dtype, self.device)
@@ -164,6 +169,7 @@ class LLMEngine:
         # The step on the GPU: its tokens, outputs and scheduler commit come with the next step() call.
         self._in_flight: tuple[SchedulerOutput, PendingTokens] | None = None
         self.timer = StepTimer()  # per-phase wall time of `step`, read by bench offline and engine.profile
+        self._compiles_at_ready = self._compiles_seen = kernel_compiles.compiled()
         logger.info(
             "engine ready: %s on %s in %s, %d KV blocks of %d tokens, %s attention, %s, prefix caching %s",
             args.model,
@@ -256,7 +262,21 @@ class LLMEngine:
                 self.runner.release(seq.seq_id)  # finished by length: its table row is free
         outputs = self._finish_in_flight()
         self._in_flight = (scheduled, pending)
+        if kernel_compiles.compiled() != self._compiles_seen:
+            self._warn_compiles()
         return outputs
+
+    def _warn_compiles(self) -> None:
+        """A step compiled kernel variants the start-up did not meet: every request in flight waited."""
+        now = kernel_compiles.compiled()
+        logger.warning(
+            "%d Triton kernel variant(s) compiled while serving (%s; %d since the engine was ready): every "
+            "request in flight waited for them; a variant the start-up did not meet",
+            now - self._compiles_seen,
+            ", ".join(kernel_compiles.kernels(self._compiles_seen)),
+            now - self._compiles_at_ready,
+        )
+        self._compiles_seen = now
 
     def _finish_in_flight(self) -> list[RequestOutput]:
         """Wait for the step in flight, commit its tokens, and build its outputs."""
@@ -310,6 +330,7 @@ class LLMEngine:
             self.allocator.num_cached_blocks,
             self.scheduler.prefix_cache_queries,
             self.scheduler.prefix_cache_hits,
+            kernel_compiles.compiled() - self._compiles_at_ready,
         )
 
     def reset_prefix_cache(self) -> int:

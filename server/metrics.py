@@ -122,6 +122,11 @@ class CoreFigures(Collector):
                 engine.prefix_cache_hits,
             ),
             ("engine_preemptions", "Sequences preempted for lack of KV blocks.", stats.num_preemptions),
+            (
+                "engine_kernel_compiles",
+                "Triton kernel variants compiled since the engine was ready: each stalled every request in flight.",
+                engine.kernel_compiles,
+            ),
         )
         for name, documentation, value in counters:
             yield CounterMetricFamily(name, documentation, value=value)

@@ -211,6 +211,7 @@ async def test_metrics(api: httpx.AsyncClient) -> None:
     assert samples['engine_request_success_total{finished_reason="length"}'] == 1
     assert "engine_preemptions_total" in samples
     assert "engine_kv_blocks_cached" in samples and "engine_prefix_cache_hits_total" in samples
+    assert samples["engine_kernel_compiles_total"] == 0  # on CPU nothing compiles
 
 
 FIRST_TOKEN_PARTS = (
