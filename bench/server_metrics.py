@@ -5,7 +5,8 @@ Both servers' pages are read the same way: each sample's name without its labels
 label sets (vLLM labels every sample with the model and engine). bench.prefix takes the prefix cache
 counters from these totals; `first_token_figures` the parts of the time to first token, where a
 server splits it: this project's four (to the core, queued, prefill, delivery: they add up to its
-TTFT request by request), vLLM's queue and prefill times.
+TTFT request by request), vLLM's queue and prefill times; `kernel_compile_figures` the kernel variants
+this project's server compiled during the level (engine.kernel_compiles).
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ FIRST_TOKEN_PARTS: tuple[tuple[str, str, str, str | None], ...] = (
     ("server_delivery_mean_s", "delivery", "server_first_token_delivery_seconds", None),
 )
 FIRST_TOKEN_KEYS = tuple(key for key, _, _, _ in FIRST_TOKEN_PARTS)
+# Kernel variants the server compiled during a level (this project's server only): each a stall of
+# every request in flight, so a level with some ran below what the server does once warm.
+KERNEL_COMPILES_KEY = "server_kernel_compiles"
+KERNEL_COMPILES_METRIC = "engine_kernel_compiles_total"
 
 
 def metric_totals(text: str) -> dict[str, float]:
@@ -110,6 +115,16 @@ def first_token_figures(before: dict[str, float] | None, after: dict[str, float]
     return figures
 
 
+def kernel_compile_figures(
+    before: dict[str, float] | None, after: dict[str, float] | None
+) -> dict[str, float]:
+    """{KERNEL_COMPILES_KEY: the variants compiled between the two reads}, or {} for a server without the
+    counter (vLLM) or without a page."""
+    if before is None or after is None or KERNEL_COMPILES_METRIC not in after:
+        return {}
+    return {KERNEL_COMPILES_KEY: after[KERNEL_COMPILES_METRIC] - before.get(KERNEL_COMPILES_METRIC, 0.0)}
+
+
 def first_token_names() -> tuple[str, ...]:
     """The samples first_token_figures reads (for read_settled_totals)."""
     return tuple(
@@ -123,9 +138,12 @@ def first_token_names() -> tuple[str, ...]:
 
 def describe_first_token(level: dict[str, float]) -> str:
     """ ", server TTFT mean 31.2 ms (to core 0.3, queued 1.0, prefill 29.4, delivery 0.5)" for a level
-    with the server's split (the parts it has), "" for one without."""
+    with the server's split (the parts it has), "" for one without; then ", 3 kernel compiles while
+    serving" where the server compiled any during the level."""
     (total_key, total_label, _, _), *part_rows = FIRST_TOKEN_PARTS
+    compiles = level.get(KERNEL_COMPILES_KEY, 0.0)
+    compiled = f", {compiles:g} kernel compiles while serving" if compiles else ""
     if total_key not in level:
-        return ""
+        return compiled
     parts = ", ".join(f"{label} {level[key] * 1e3:.1f}" for key, label, _, _ in part_rows if key in level)
-    return f", {total_label} {level[total_key] * 1e3:.1f} ms" + (f" ({parts})" if parts else "")
+    return f", {total_label} {level[total_key] * 1e3:.1f} ms" + (f" ({parts})" if parts else "") + compiled

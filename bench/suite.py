@@ -22,7 +22,13 @@ from bench.prefix import HITS, QUERIES, cache_counters, hit_figures, run_fresh_l
 from bench.probe import probe
 from bench.results import write_run
 from bench.runner import LevelResult, LoadConfig, SweepConfig, run_closed_loop, run_open_loop, run_sweep
-from bench.server_metrics import first_token_figures, first_token_names, read_settled_totals
+from bench.server_metrics import (
+    KERNEL_COMPILES_METRIC,
+    first_token_figures,
+    first_token_names,
+    kernel_compile_figures,
+    read_settled_totals,
+)
 from bench.workload import WorkloadSpec
 
 RUN_FORMAT = 1
@@ -121,12 +127,14 @@ def _print_level(level: LevelResult, verbose: bool) -> None:
 
 def _server_totals(endpoint: Endpoint) -> dict[str, float] | None:
     """The server's /metrics totals that a level's figures come from, once settled."""
-    return read_settled_totals(endpoint, (*QUERIES, *HITS, *first_token_names()))
+    return read_settled_totals(endpoint, (*QUERIES, *HITS, *first_token_names(), KERNEL_COMPILES_METRIC))
 
 
 def _server_figures(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float]:
-    """What the server saw of a level: its prefix cache hits and the parts of its time to first token."""
+    """What the server saw of a level: its prefix cache hits, the parts of its time to first token, the
+    kernel variants it compiled."""
     return {
         **hit_figures(cache_counters(before), cache_counters(after)),
         **first_token_figures(before, after),
+        **kernel_compile_figures(before, after),
     }

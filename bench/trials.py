@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from bench.metrics import STEP_TIMING
-from bench.server_metrics import FIRST_TOKEN_KEYS
+from bench.server_metrics import FIRST_TOKEN_KEYS, KERNEL_COMPILES_KEY
 from bench.workload import SAMPLED
 
 # The sampling modes the seed-mix workload is measured in, each as WorkloadSpec's temperature and top_p:
@@ -45,9 +45,10 @@ PREFIX_MODES: dict[str, dict[str, str]] = {
 # Every mode a perf case runs in: each has its own record, summary file, reference and budget section.
 CASE_MODES: tuple[str, ...] = (*SAMPLING_MODES, *PROMPT_MODES, *PREFIX_MODES)
 # Closed-loop figures a case may add to CLOSED_LOOP_KEYS (folded where a trial has them): the prefix
-# cache's hit rate, and the server's own parts of the time to first token (bench.server_metrics).
+# cache's hit rate, the server's own parts of the time to first token and the kernel variants it
+# compiled (bench.server_metrics).
 PREFIX_CACHE_KEYS = ("prefix_cache_hit_rate",)
-OPTIONAL_CLOSED_LOOP_KEYS = (*PREFIX_CACHE_KEYS, *FIRST_TOKEN_KEYS)
+OPTIONAL_CLOSED_LOOP_KEYS = (*PREFIX_CACHE_KEYS, *FIRST_TOKEN_KEYS, KERNEL_COMPILES_KEY)
 
 OPEN_LOOP_KEYS = (
     "served_req_s",

@@ -9,7 +9,14 @@ import pytest
 
 from bench.__main__ import main
 from bench.launch import ServerProcess, ServerSpec
-from bench.server_metrics import FIRST_TOKEN_KEYS, describe_first_token, first_token_figures, metric_totals
+from bench.server_metrics import (
+    FIRST_TOKEN_KEYS,
+    KERNEL_COMPILES_KEY,
+    describe_first_token,
+    first_token_figures,
+    kernel_compile_figures,
+    metric_totals,
+)
 from bench.trials import summarize_trials
 
 SERVER_START_DEADLINE_S = 120.0  # a deadline against a server that never gets ready, not a speed
@@ -77,6 +84,20 @@ def test_the_terminal_line_names_the_parts_a_server_has() -> None:
     assert describe_first_token({"output_tok_s": 5.0}) == ""
 
 
+def test_a_levels_kernel_compiles_are_the_counters_growth_and_shown_where_any() -> None:
+    before = metric_totals(OURS + "engine_kernel_compiles_total 2.0\n")
+    after = metric_totals(OURS + "engine_kernel_compiles_total 5.0\n")
+    assert kernel_compile_figures(before, after) == {KERNEL_COMPILES_KEY: 3.0}
+    assert kernel_compile_figures({}, before) == {KERNEL_COMPILES_KEY: 2.0}
+    # vLLM has no such counter, and no page is no figure
+    assert kernel_compile_figures({}, metric_totals(VLLM)) == {}
+    assert kernel_compile_figures(None, after) == kernel_compile_figures(before, None) == {}
+    level = first_token_figures({}, metric_totals(OURS)) | {KERNEL_COMPILES_KEY: 3.0}
+    assert describe_first_token(level).endswith("delivery 4.0), 3 kernel compiles while serving")
+    assert "compiles" not in describe_first_token(level | {KERNEL_COMPILES_KEY: 0.0})
+    assert describe_first_token({KERNEL_COMPILES_KEY: 1.0}) == ", 1 kernel compiles while serving"
+
+
 def test_a_summary_folds_the_parts_where_its_levels_have_them() -> None:
     level = {"concurrency": 4.0, "output_tok_s": 10.0, "ttft_p50_s": 0.1, "itl_p50_s": 0.01}
     level |= {"tpot_p50_s": 0.01, "failures": 0.0}
@@ -119,3 +140,4 @@ def test_bench_run_records_the_servers_split_of_the_time_to_first_token(tiny_mod
         assert all(part >= 0 for part in parts), parts
         # the four parts add up to the server's TTFT request by request, so their means do too
         assert sum(parts) == pytest.approx(level["server_ttft_mean_s"], abs=1e-6)
+        assert level[KERNEL_COMPILES_KEY] == 0  # on CPU nothing compiles
