@@ -106,12 +106,14 @@ class EngineTarget:
 
     def describe(self) -> dict[str, Any]:
         """Name, version, every option in force, and (read at the end of the run) the prefix cache's
-        tokens looked up and found since start, warm-up included, and their ratio."""
+        tokens looked up and found since start, warm-up included, and their ratio, and the kernel
+        variants compiled after start-up (engine.kernel_compiles: each a stall of the whole loop)."""
         return {
             "name": "paged-engine",
             "version": self.version,
             "config": self.engine.config_dict(),
             "prefix_cache": prefix_cache_entry(self.prefix_cache_counters()),
+            "kernel_compiles": self.engine.stats().kernel_compiles,
         }
 
 

@@ -41,8 +41,10 @@ MIXED_SPLITS = (1, 2, 3, 4)
 # 4,096 tokens, 1-256 generated so far, drawn with SEED_MIX_SEED): a hundredfold spread of lengths in
 # one step, where uniform contexts have none. rows > decodes: a mixed step's graph; rows == decodes: a
 # decode step's. Split counts are each kernel version's own choice for a graph, which serves any length
-# up to GRAPH_CONTEXT (the model's longest).
-SEED_MIX_CASES = [(128, 257), (128, 128), (256, 257), (64, 257)]
+# up to GRAPH_CONTEXT (the model's longest). The decode steps of 4, 8 and 16 rows place
+# PLANNED_MIN_DECODES (engine.attention.triton_backend): below it a decode-only step keeps the one-count
+# kernel, from it the planned one; each case times both.
+SEED_MIX_CASES = [(128, 257), (128, 128), (256, 257), (64, 257), (4, 4), (8, 8), (16, 16)]
 SEED_MIX_PROMPTS = (16, 64, 256, 1024, 4096)
 SEED_MIX_SEED = 0
 GRAPH_CONTEXT = 32768

@@ -453,6 +453,7 @@ def test_bench_offline_engine_on_the_tiny_model(tiny_model_dir, tmp_path):
     assert run["offline"]["closed-2"]["completed"] >= 2
     assert run["offline"]["probes"]["prefill_tok_s"] > 0 and run["offline"]["probes"]["single_tpot_s"] > 0
     assert run["worker"]["target"]["name"] == "paged-engine"
+    assert run["worker"]["target"]["kernel_compiles"] == 0  # on CPU nothing compiles
     assert run["worker"]["target"]["config"]["max_model_len"] == 512
     assert run["config"]["load"]["probes"]["single_tokens"] == 8
     rows = read_rows(out)
