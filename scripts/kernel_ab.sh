@@ -15,7 +15,8 @@
 # image lacks them, install their wheels into a folder and put it on PYTHONPATH first.
 # env:   BUDGET (seconds, default 500), MODEL (a model folder, default /tmp/qwen: made if missing),
 #        AGAINST (another decode_attention.py to time beside this one at the end, optional),
-#        GPU_TESTS (the test files run with -m gpu; default both decode kernels' tests)
+#        GPU_TESTS (the tests run with -m gpu; default both decode kernels' tests and the engine's test
+#        that serving compiles no kernel variant after start-up)
 # Exit status 0 when every step that ran passed, 1 otherwise, 2 for bad usage.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -51,7 +52,8 @@ timeout "$(within 100)" python3 -m engine.kernels.bench_attention --json "$out/b
   --against "$base/engine/kernels/decode_attention.py" 2>&1 | grep -v "^ *shared among" || status=1
 mark "GPU tests of the kernel"
 # shellcheck disable=SC2086  # GPU_TESTS is a list of paths
-if ! timeout "$(within 200)" python3 -m pytest ${GPU_TESTS:-tests/unit/kernels/test_*decode_attention.py} \
+default_tests="tests/unit/kernels/test_*decode_attention.py tests/unit/engine/test_gpu.py::test_serving_compiles_no_kernel_after_start_up"
+if ! timeout "$(within 200)" python3 -m pytest ${GPU_TESTS:-$default_tests} \
   -q -x -m gpu -p no:cacheprovider >"$out/gpu-tests.txt" 2>&1; then
   tail -5 "$out/gpu-tests.txt"
   echo "the kernel fails its GPU tests: no closed loops"
