@@ -7,7 +7,7 @@ start-up (the profile run, the graph captures, the sampler's warm-up) meets ever
 need (tests/unit/kernel_lowering/test_kernel_variants.py checks it on CPU through Triton's binder);
 this count is the check on the device and the operator's warning where a shape or option still meets
 a new one: the engine reports the variants compiled since it was ready (`EngineStats.kernel_compiles`,
-`engine_kernel_compiles` in /metrics) and logs a warning after a step that compiled.
+`engine_kernel_compiles_total` in /metrics) and logs a warning after a step that compiled.
 
 The hook fires on every miss of a kernel's in-process cache, before Triton looks in its on-disk cache:
 a variant counts here even where the disk cache makes its compile cheap, as it does not on a fresh
@@ -30,9 +30,10 @@ def install() -> None:
         return
     try:
         from triton import knobs
-    except ImportError:
+
+        previous = knobs.runtime.jit_cache_hook
+    except (ImportError, AttributeError):  # no Triton, or one older than its knobs (3.4)
         return
-    previous = knobs.runtime.jit_cache_hook
 
     def count(**kwargs: Any) -> Any:
         _kernels.append(getattr(kwargs.get("fn"), "name", "?"))
