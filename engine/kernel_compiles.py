@@ -32,7 +32,7 @@ def install() -> None:
         from triton import knobs
 
         previous = knobs.runtime.jit_cache_hook
-    except (ImportError, AttributeError):  # no Triton, or one older than its knobs (3.4)
+    except (ImportError, AttributeError):  # no Triton, or an older one without its knobs
         return
 
     def count(**kwargs: Any) -> Any:
