@@ -6,6 +6,7 @@ are the interpreter's (TRITON_INTERPRET=1: Python functions, nothing to lower or
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import pytest
@@ -18,30 +19,21 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from engine.kernels import (  # noqa: E402
-    activation,
-    decode_attention,
-    gemv,
-    kv_cache,
-    norm,
-    planned_decode_attention,
-    prefill_attention,
-    rotary,
-    sampling,
-)
-
 TARGET = GPUTarget("cuda", 90, 32)
 # Every module of engine.kernels that holds Triton kernels.
-KERNEL_MODULES = (
-    activation,
-    decode_attention,
-    gemv,
-    kv_cache,
-    norm,
-    planned_decode_attention,
-    prefill_attention,
-    rotary,
-    sampling,
+KERNEL_MODULES = tuple(
+    importlib.import_module(f"engine.kernels.{name}")
+    for name in (
+        "activation",
+        "decode_attention",
+        "gemv",
+        "kv_cache",
+        "norm",
+        "planned_decode_attention",
+        "prefill_attention",
+        "rotary",
+        "sampling",
+    )
 )
 
 
