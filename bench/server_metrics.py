@@ -138,12 +138,15 @@ def first_token_names() -> tuple[str, ...]:
 
 def describe_first_token(level: dict[str, float]) -> str:
     """ ", server TTFT mean 31.2 ms (to core 0.3, queued 1.0, prefill 29.4, delivery 0.5)" for a level
-    with the server's split (the parts it has), "" for one without; then ", 3 kernel compiles while
-    serving" where the server compiled any during the level."""
+    with the server's split (the parts it has), "" for one without."""
     (total_key, total_label, _, _), *part_rows = FIRST_TOKEN_PARTS
-    compiles = level.get(KERNEL_COMPILES_KEY, 0.0)
-    compiled = f", {compiles:g} kernel compiles while serving" if compiles else ""
     if total_key not in level:
-        return compiled
+        return ""
     parts = ", ".join(f"{label} {level[key] * 1e3:.1f}" for key, label, _, _ in part_rows if key in level)
-    return f", {total_label} {level[total_key] * 1e3:.1f} ms" + (f" ({parts})" if parts else "") + compiled
+    return f", {total_label} {level[total_key] * 1e3:.1f} ms" + (f" ({parts})" if parts else "")
+
+
+def describe_kernel_compiles(level: dict[str, float]) -> str:
+    """ ", 3 kernel compiles while serving" for a level in which the server compiled any, else ""."""
+    compiles = level.get(KERNEL_COMPILES_KEY, 0.0)
+    return f", {compiles:g} kernel compiles while serving" if compiles else ""

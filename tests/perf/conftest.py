@@ -57,7 +57,7 @@ from bench.probe import first_model, probe
 from bench.profiles import PROFILES, Profile, seed_mix
 from bench.report import write_report
 from bench.runner import SweepConfig, run_closed_loop
-from bench.server_metrics import describe_first_token
+from bench.server_metrics import describe_first_token, describe_kernel_compiles
 from bench.trials import (
     GREEDY,
     PREFIX_MODES,
@@ -725,6 +725,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
             terminalreporter.write_line(
                 f"  concurrency {level['concurrency']:g}: {level['output_tok_s']:.1f} tok/s (min {level['output_tok_s_min']:.1f}, max {level['output_tok_s_max']:.1f}), TTFT p50 {level['ttft_p50_s']:.3f} s, TPOT p50 {level['tpot_p50_s']:.4f} s"
                 + describe_first_token(level)
+                + describe_kernel_compiles(level)
             )
         for note in record.notes:
             terminalreporter.write_line(f"  {note}")
