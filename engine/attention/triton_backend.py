@@ -87,48 +87,40 @@ class TritonAttentionBackend:
                 meta.seq_lens[decodes:],
             )
             longest_chunk = meta.max_prefill_len if decodes < meta.num_seqs else 0
-        if decodes >= PLANNED_MIN_DECODES or (decodes and longest_chunk):
+        if decodes:
             # Many decodes, or a mixed step's: their contexts range from a few tokens to the longest (a
             # closed loop's newest and oldest sequences), so they are cut by their share of the step's
             # tokens, planned on the device by the first layer and read by every layer
-            # (engine.kernels.planned_decode_attention).
-            num_splits = meta.decode_splits
-            if not num_splits:
-                num_splits = meta.decode_splits = planned_num_splits(meta.max_decode_len)
-            if meta.decode_plan is None:
-                meta.decode_plan = plan_decode(query[:decodes], decode_lens, num_splits, key.shape[1])
-            planned_decode_attention(
-                query[:decodes],
-                kv_cache[0],
-                kv_cache[1],
-                meta.block_tables,
-                decode_lens,
-                scale,
-                num_splits,
-                out=out[:decodes],
-                plan=meta.decode_plan,
-                check=False,
-            )
-        elif decodes:
-            # A few decodes alone (one sequence, a handful): one split count for every row, a pure
-            # function of the batch size and the longest context (fixed per captured graph, chosen once
-            # a step: every layer has the same shapes). Faster than the plan for one sequence.
-            num_splits = meta.decode_splits
-            if not num_splits:
-                num_splits = meta.decode_splits = choose_num_splits(
-                    decodes, key.shape[1], meta.max_decode_len, num_sms(query.device.index)
+            # (engine.kernels.planned_decode_attention). A few decodes alone (one sequence, a handful):
+            # one split count for every row, a pure function of the batch size and the longest context
+            # (fixed per captured graph), faster than the plan for one sequence. Either split count is
+            # chosen once a step: every layer has the same shapes.
+            planned = decodes >= PLANNED_MIN_DECODES or longest_chunk > 0
+            if not meta.decode_splits:
+                meta.decode_splits = (
+                    planned_num_splits(meta.max_decode_len)
+                    if planned
+                    else choose_num_splits(
+                        decodes, key.shape[1], meta.max_decode_len, num_sms(query.device.index)
+                    )
                 )
-            paged_decode_attention(
+            args = (
                 query[:decodes],
                 kv_cache[0],
                 kv_cache[1],
                 meta.block_tables,
                 decode_lens,
                 scale,
-                num_splits,
-                out=out[:decodes],
-                check=False,
+                meta.decode_splits,
             )
+            if planned:
+                if meta.decode_plan is None:
+                    meta.decode_plan = plan_decode(
+                        query[:decodes], decode_lens, meta.decode_splits, key.shape[1]
+                    )
+                planned_decode_attention(*args, out=out[:decodes], plan=meta.decode_plan, check=False)
+            else:
+                paged_decode_attention(*args, out=out[:decodes], check=False)
         if longest_chunk:
             # After the decodes: in a graph, their zero rows past the step's decodes are prompt tokens.
             paged_prefill_attention(
