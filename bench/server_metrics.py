@@ -3,10 +3,11 @@ server saw of the load the client measured.
 
 Both servers' pages are read the same way: each sample's name without its labels, summed over its
 label sets (vLLM labels every sample with the model and engine). bench.prefix takes the prefix cache
-counters from these totals; `first_token_figures` the parts of the time to first token, where a
-server splits it: this project's four (to the core, queued, prefill, delivery: they add up to its
-TTFT request by request), vLLM's queue and prefill times; `kernel_compile_figures` the kernel variants
-this project's server compiled during the level (engine.kernel_compiles).
+counters from these totals; `level_figures` the rest of a level's figures (bench's suite and the perf
+tier alike): `first_token_figures` the parts of the time to first token, where a server splits it:
+this project's four (to the core, queued, prefill, delivery: they add up to its TTFT request by
+request), vLLM's queue and prefill times; `kernel_compile_figures` the kernel variants this project's
+server compiled during the level (engine.kernel_compiles).
 """
 
 from __future__ import annotations
@@ -134,6 +135,18 @@ def first_token_names() -> tuple[str, ...]:
         if name is not None
         for part in ("count", "sum")
     )
+
+
+def level_names() -> tuple[str, ...]:
+    """The samples level_figures reads (for read_settled_totals around a level)."""
+    return (*first_token_names(), KERNEL_COMPILES_METRIC)
+
+
+def level_figures(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float]:
+    """The server's own figures of a level between two reads of its totals: the parts of its time to
+    first token and the kernel variants it compiled. One function for every caller (bench's suite,
+    the perf tier), so a figure added here reaches each of their records."""
+    return {**first_token_figures(before, after), **kernel_compile_figures(before, after)}
 
 
 def describe_first_token(level: dict[str, float]) -> str:

@@ -22,13 +22,7 @@ from bench.prefix import HITS, QUERIES, cache_counters, hit_figures, run_fresh_l
 from bench.probe import probe
 from bench.results import write_run
 from bench.runner import LevelResult, LoadConfig, SweepConfig, run_closed_loop, run_open_loop, run_sweep
-from bench.server_metrics import (
-    KERNEL_COMPILES_METRIC,
-    first_token_figures,
-    first_token_names,
-    kernel_compile_figures,
-    read_settled_totals,
-)
+from bench.server_metrics import level_figures, level_names, read_settled_totals
 from bench.workload import WorkloadSpec
 
 RUN_FORMAT = 1
@@ -127,7 +121,7 @@ def _print_level(level: LevelResult, verbose: bool) -> None:
 
 def _server_totals(endpoint: Endpoint) -> dict[str, float] | None:
     """The server's /metrics totals that a level's figures come from, once settled."""
-    return read_settled_totals(endpoint, (*QUERIES, *HITS, *first_token_names(), KERNEL_COMPILES_METRIC))
+    return read_settled_totals(endpoint, (*QUERIES, *HITS, *level_names()))
 
 
 def _server_figures(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float]:
@@ -135,6 +129,5 @@ def _server_figures(before: dict[str, float] | None, after: dict[str, float] | N
     kernel variants it compiled."""
     return {
         **hit_figures(cache_counters(before), cache_counters(after)),
-        **first_token_figures(before, after),
-        **kernel_compile_figures(before, after),
+        **level_figures(before, after),
     }

@@ -14,7 +14,7 @@ import pytest
 from bench.budgets import check_closed, check_sweep
 from bench.metrics import describe_failures
 from bench.runner import run_closed_loop, run_sweep, sweep_failures
-from bench.server_metrics import first_token_figures, first_token_names, read_settled_totals
+from bench.server_metrics import level_figures, level_names, read_settled_totals
 from bench.trials import CLOSED_LOOP_KEYS, OPEN_LOOP_KEYS, OPTIONAL_CLOSED_LOOP_KEYS, fold_levels
 
 pytestmark = pytest.mark.perf
@@ -72,16 +72,17 @@ def test_closed_loop(benchmark, server, target, mode, workload, profile, concurr
     noted: list[str] = []
 
     def trial() -> None:
-        # the server's own split of the time to first token, where its /metrics has one
-        before = read_settled_totals(server.endpoint, first_token_names())
+        # the server's own figures of the level (its split of the time to first token, the kernel
+        # variants it compiled), where its /metrics has them
+        before = read_settled_totals(server.endpoint, level_names())
         result = run_closed_loop(server.endpoint, workload, concurrency, profile.closed_load)
-        after = read_settled_totals(server.endpoint, first_token_names())
+        after = read_settled_totals(server.endpoint, level_names())
         failed.extend(describe_failures(result.rows))
         trials.append(
             {
                 "concurrency": concurrency,
                 **{k: result.summary[k] for k in CLOSED_LOOP_KEYS},
-                **first_token_figures(before, after),
+                **level_figures(before, after),
             }
         )
         if result.summary.get("prompt_tokens_mismatched"):

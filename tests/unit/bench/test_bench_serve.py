@@ -16,6 +16,7 @@ import pytest
 from perf_tier_process import run_perf_tier
 
 from bench.launch import MAX_MODEL_LEN, load_server_info, target_args
+from bench.server_metrics import FIRST_TOKEN_KEYS, KERNEL_COMPILES_KEY
 
 REPO = Path(__file__).resolve().parents[3]
 SERVER_ARG = "--server-arg=--max-num-seqs=8"
@@ -150,6 +151,10 @@ def test_perf_tier_measures_a_served_server_records_its_flags_and_leaves_it_up(
     assert summary["server_args"] == info["args"]
     assert summary["server_ready_s"] == pytest.approx(info["ready_after_s"])
     assert [level["concurrency"] for level in summary["closed_loop"]] == [1]
+    # the server's own figures of the level, as bench's suite records them (bench.server_metrics)
+    (level,) = summary["closed_loop"]
+    assert level[KERNEL_COMPILES_KEY] == 0  # on CPU nothing compiles
+    assert set(FIRST_TOKEN_KEYS) <= set(level)
     root = str(info["base_url"]).removesuffix("/v1")
     assert httpx.get(f"{root}/health", timeout=10).status_code == 200, (
         "the perf tier stopped a server it did not start"
