@@ -437,9 +437,22 @@ class ModelRunner:
         self._launches += 1
         host = self._sampled_host[self._launches % 2][: len(tokens)]
         host.copy_(tokens, non_blocking=True)
-        done = torch.cuda.Event()
+        done = tokens_ready_event()
         done.record()
         return PendingTokens(host, done, batch.sample_order)
+
+
+def tokens_ready_event() -> torch.cuda.Event:
+    """The event a step's host copy of its tokens records, waited on by PendingTokens.result.
+
+    Blocking (cudaEventBlockingSync): the waiting thread sleeps until the device gets there. CUDA's
+    default event spins a core for the whole wait, and with async scheduling the engine waits there
+    for most of every step (at 128 in flight ~6.6 of ~8 ms on an H100), so a busy server's core burned
+    a whole core doing nothing, counted against it by `bench host-cost`. Sleeping costs no device
+    time: the next step is already queued behind the one waited for, and the wake-up (microseconds)
+    is a small part of the host's share of a step.
+    """
+    return torch.cuda.Event(blocking=True)
 
 
 class PendingTokens:

@@ -17,6 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams, kernel_compiles
+from engine.runner import PendingTokens, tokens_ready_event
 from engine.synthetic import write_checkpoint
 
 pytestmark = pytest.mark.gpu
@@ -157,6 +158,58 @@ def test_serving_compiles_no_kernel_after_start_up(tiny_model_dir):
     assert compiles == 0, (
         f"compiled while serving: {kernel_compiles.kernels(kernel_compiles.compiled() - compiles)}"
     )
+
+
+def _timed(call) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) of call()."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    call()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def _queue_a_second_of_device_work() -> None:
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # clock cycles: ~1 s on an H100 or H200
+
+
+def test_the_wait_for_a_steps_tokens_sleeps_rather_than_spins():
+    """With async scheduling a busy server's engine core spends most of its time waiting for the step
+    before the one it just launched. CUDA's default event spins a core for the whole wait, which `bench
+    host-cost` counts against the server; the event a step records is a blocking one."""
+    host = torch.zeros(4, dtype=torch.int64).pin_memory()
+
+    def wait() -> None:
+        done = tokens_ready_event()
+        done.record()
+        assert PendingTokens(host, done, [3, 2, 1, 0]).result() == [0, 0, 0, 0]
+
+    _queue_a_second_of_device_work()
+    wall, cpu = _timed(wait)
+    assert wall > 0.3, f"the wait did not wait for the device ({wall:.3f} s)"
+    assert cpu < 0.25 * wall, f"{cpu:.3f} CPU-seconds in a {wall:.3f} s wait: it spins"
+
+
+def test_a_warm_step_queues_behind_the_device_and_its_successor_sleeps_waiting(tiny_model_dir):
+    """A step of shapes already met launches without waiting for the device (the overlap async
+    scheduling is for: nothing in schedule, prepare or launch synchronises), and the next step's wait
+    for its tokens sleeps. The first step of a new shape may wait (CUDA loads a kernel's module on
+    its first launch), so the same request runs once before."""
+    llm = LLM(str(tiny_model_dir), device="cuda", dtype="bfloat16", max_model_len=256)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    llm.generate([[5, 6, 7, 8]], params)
+    engine.add_request("a", [5, 6, 7, 8], params)
+    first: list = []
+    _queue_a_second_of_device_work()
+    wall, _ = _timed(lambda: first.extend(engine.step()))  # the first step: queued behind that second
+    assert first == [] and wall < 0.3, f"the first step waited {wall:.3f} s for the device"
+    wall, cpu = _timed(engine.step)  # queues the second step, then waits for the first one's tokens
+    assert wall > 0.3, f"the second step did not wait for the first one's tokens ({wall:.3f} s)"
+    assert cpu < 0.25 * wall, f"{cpu:.3f} CPU-seconds in a {wall:.3f} s wait: it spins"
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    assert [(o.request_id, len(o.token_ids)) for o in finished] == [("a", 4)]
 
 
 def _noting(prepare, steps: list):
