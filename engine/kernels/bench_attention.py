@@ -253,7 +253,7 @@ def time_planned(
     moved: int,
 ) -> dict:
     """The planned kernel (what the engine runs for a mixed step's decodes, or 16 or more) over the same
-    decode_setup, beside the one-split-count kernel's calls, alternately three times each; the medians. Each copy is planned
+    decode_setup, beside the one-split-count kernel's calls (alternate_medians). Each copy is planned
     once outside the timed calls, as the engine plans once a step for all layers; the plan is timed
     apart. decodes: the rows that hold contexts (the rest of a graph's rows are empty)."""
     query, kv_cache, tables = setup
