@@ -57,6 +57,7 @@ class HostCostConfig:
     output_len: int = 256
     max_num_seqs: int = 256
     start_timeout_s: float = 120.0
+    workers: int = 1  # client processes sharing the loop (bench.runner.LoadConfig.workers)
 
     @property
     def max_model_len(self) -> int:
@@ -189,6 +190,7 @@ class TreeLoop:
     rows: list[RequestRow]  # the measured requests (no warm-up)
     processes: list[ProcessCpu]  # tree_delta over the loop
     wall_s: float
+    client: dict[str, float]  # the client's own load: processes, event-loop lag p99, CPU of a core
 
     @property
     def cpu_s(self) -> float:
@@ -200,16 +202,26 @@ class TreeLoop:
 
 
 def measure_tree_loop(
-    endpoint: Endpoint, workload: WorkloadSpec, concurrency: int, requests: int, pid: int
+    endpoint: Endpoint, workload: WorkloadSpec, concurrency: int, requests: int, pid: int, workers: int = 1
 ) -> TreeLoop:
     """A warm-up of `concurrency` requests, then `requests` more at `concurrency` in flight, with the
-    tree of `pid` read before and after the measured ones: both host-cost modes measure this way."""
-    run_closed_loop(endpoint, workload, concurrency, LoadConfig(n_requests=concurrency, progress=False))
+    tree of `pid` read before and after the measured ones: both host-cost modes measure this way.
+    `workers` client processes share the streams: from ~128 streams one client process's event loop
+    lags (its warning), and a client that falls behind sends the server less than the load asked for.
+    The client's processes are not the server's descendants, so its CPU is never counted."""
+    warm_up = LoadConfig(n_requests=concurrency, workers=workers, progress=False)
+    run_closed_loop(endpoint, workload, concurrency, warm_up)
     before, start = process_tree(pid), time.perf_counter()
-    level = run_closed_loop(endpoint, workload, concurrency, LoadConfig(n_requests=requests, progress=False))
+    measured = LoadConfig(n_requests=requests, workers=workers, progress=False)
+    level = run_closed_loop(endpoint, workload, concurrency, measured)
     after, wall_s = process_tree(pid), time.perf_counter() - start
     rows = [row for row in level.rows if not row.warmup]
-    return TreeLoop(rows, tree_delta(before, after), wall_s)
+    client = {
+        "workers": level.summary["workers"],
+        "loop_lag_p99_s": level.summary["client_loop_lag_p99_s"],
+        "cpu_util": level.summary["client_cpu_util"],
+    }
+    return TreeLoop(rows, tree_delta(before, after), wall_s, client)
 
 
 def process_tree_cpu_seconds(pid: int) -> float:
@@ -331,7 +343,8 @@ def measure(config: HostCostConfig, log_path: Path, http_only: bool = False) -> 
         assert server.process is not None
         endpoint = Endpoint(spec.base_url, model=first_model(spec.base_url))
         workload = WorkloadSpec(kind="fixed", input_len=config.input_len, output_len=config.output_len)
-        loop = measure_tree_loop(endpoint, workload, config.concurrency, config.requests, server.process.pid)
+        pid = server.process.pid
+        loop = measure_tree_loop(endpoint, workload, config.concurrency, config.requests, pid, config.workers)
     rows, cpu_s, wall_s, tokens = loop.rows, loop.cpu_s, loop.wall_s, loop.output_tokens
     chunks = sum(row.chunks for row in rows if row.ok)
     stack = _stack(log_path.read_text())
@@ -352,6 +365,7 @@ def measure(config: HostCostConfig, log_path: Path, http_only: bool = False) -> 
         "server_cpu_us_per_token": cpu_s / tokens * 1e6 if tokens else None,
         "server_cpu_util": cpu_s / wall_s,
         "output_tok_s": tokens / wall_s,
+        "client": loop.client,
     }
 
 
@@ -387,6 +401,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=defaults.output_len, help="tokens streamed each")
     parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
     parser.add_argument(
+        "--workers",
+        type=int,
+        default=defaults.workers,
+        help="client processes sharing the streams (from ~128 streams one process's event loop lags)",
+    )
+    parser.add_argument(
         "--out", help="write the figures here (JSON); with --model, the server's log goes beside it"
     )
 
@@ -410,6 +430,7 @@ def _config(args: argparse.Namespace) -> HostCostConfig:
         input_len=args.input_len,
         output_len=args.output_len,
         max_num_seqs=args.max_num_seqs,
+        workers=args.workers,
     )
 
 

@@ -36,13 +36,14 @@ from bench.workload import PromptFormat, WorkloadSpec
 class TreeCostConfig:
     """The closed loop each server gets: `requests` requests of `input_len` prompt tokens (token ids,
     or text of that length made with the server's tokenizer) generating `output_len`, `concurrency` in
-    flight, after a warm-up of `concurrency` requests."""
+    flight, after a warm-up of `concurrency` requests, from `workers` client processes."""
 
     concurrency: int = 64
     requests: int = 512
     input_len: int = 128
     output_len: int = 256
     prompt_format: PromptFormat = "token-ids"
+    workers: int = 1  # client processes sharing the loop
 
 
 def measure_server(info: dict[str, Any], config: TreeCostConfig) -> dict[str, Any]:
@@ -60,7 +61,7 @@ def measure_server(info: dict[str, Any], config: TreeCostConfig) -> dict[str, An
         prompt_format=config.prompt_format,
         tokenizer=tokenizer,
     )
-    loop = measure_tree_loop(endpoint, workload, config.concurrency, config.requests, pid)
+    loop = measure_tree_loop(endpoint, workload, config.concurrency, config.requests, pid, config.workers)
     rows, tokens, cpu_s, wall_s = loop.rows, loop.output_tokens, loop.cpu_s, loop.wall_s
     return {
         "target": info["target"],
@@ -76,6 +77,7 @@ def measure_server(info: dict[str, Any], config: TreeCostConfig) -> dict[str, An
         "server_cpu_s_per_1000_tokens": cpu_s / tokens * 1000 if tokens else None,
         "server_cores": cpu_s / wall_s,
         "processes": [asdict(process) for process in loop.processes],
+        "client": loop.client,
     }
 
 
@@ -87,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
         input_len=args.input_len,
         output_len=args.output_len,
         prompt_format=args.prompt_format,
+        workers=args.workers,
     )
     return run_servers(args.server_info, config, Path(args.out) if args.out else None)
 

@@ -36,9 +36,14 @@ def test_a_running_servers_whole_tree_is_measured_per_1000_tokens(running_server
     info, process = running_server
     out = tmp_path / "tree.json"
     argv = ["host-cost", "--server-info", str(info), "--concurrency", "2", "--requests", "4"]
-    assert main([*argv, "--input-len", "16", "--output-len", "24", "--out", str(out)]) == 0
-    (server,) = json.loads(out.read_text())["servers"]
+    argv += ["--workers", "2", "--input-len", "16", "--output-len", "24"]
+    assert main([*argv, "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    (server,) = report["servers"]
     assert (server["target"], server["completed"], server["failures"]) == ("engine", 4, 0)
+    # two client processes shared the streams, and said how loaded each was; neither is the server's
+    assert report["config"]["workers"] == 2 and server["client"]["workers"] == 2
+    assert server["client"]["loop_lag_p99_s"] >= 0 and server["client"]["cpu_util"] > 0
     assert server["output_tokens"] == 4 * 24 and server["pid"] == process.process.pid
     # the API process and the engine core's process, each with its own CPU time
     processes = server["processes"]
@@ -56,7 +61,7 @@ def test_text_prompts_are_made_with_the_servers_tokenizer(running_server, tmp_pa
     argv = ["host-cost", "--server-info", str(info), "--prompt-format", "text", "--concurrency", "2"]
     assert main([*argv, "--requests", "2", "--input-len", "40", "--output-len", "8", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert report["config"]["prompt_format"] == "text"
+    assert report["config"]["prompt_format"] == "text" and report["servers"][0]["client"]["workers"] == 1
     assert (report["servers"][0]["completed"], report["servers"][0]["output_tokens"]) == (2, 16)
 
 
