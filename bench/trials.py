@@ -44,11 +44,15 @@ PREFIX_MODES: dict[str, dict[str, str]] = {
 }
 # Every mode a perf case runs in: each has its own record, summary file, reference and budget section.
 CASE_MODES: tuple[str, ...] = (*SAMPLING_MODES, *PROMPT_MODES, *PREFIX_MODES)
+# The client's own load over a level (bench.selfcheck, the busiest client process's): a client whose
+# event loop lags sends late and stamps late, and at the highest levels one process can be the limit.
+# Recorded so that a level's figures say whether the client kept up; summaries stored before lack them.
+CLIENT_LOAD_KEYS = ("client_loop_lag_p99_s", "client_cpu_util")
 # Closed-loop figures a case may add to CLOSED_LOOP_KEYS (folded where a trial has them): the prefix
-# cache's hit rate, the server's own parts of the time to first token and the kernel variants it
-# compiled (bench.server_metrics).
+# cache's hit rate, the server's own parts of the time to first token, the kernel variants it
+# compiled (bench.server_metrics) and the client's load.
 PREFIX_CACHE_KEYS = ("prefix_cache_hit_rate",)
-OPTIONAL_CLOSED_LOOP_KEYS = (*PREFIX_CACHE_KEYS, *FIRST_TOKEN_KEYS, KERNEL_COMPILES_KEY)
+OPTIONAL_CLOSED_LOOP_KEYS = (*PREFIX_CACHE_KEYS, *FIRST_TOKEN_KEYS, KERNEL_COMPILES_KEY, *CLIENT_LOAD_KEYS)
 
 OPEN_LOOP_KEYS = (
     "served_req_s",
@@ -248,6 +252,11 @@ def summarize_trials(
         for key in OPTIONAL_CLOSED_LOOP_KEYS
         if any(_number(level.get(key)) for levels in closed_trials for level in levels)
     ]
+    open_extra = [
+        key
+        for key in CLIENT_LOAD_KEYS
+        if any(_number(level.get(key)) for trial in sweep_trials for level in trial["levels"])
+    ]
     summary: dict[str, Any] = dict(header)
     summary["trials"] = trials
     if sweep_trials:
@@ -257,7 +266,9 @@ def summarize_trials(
     else:
         summary["capacity_req_s"] = None
         summary["capacity_still_rising"] = None
-    summary["open_loop"] = fold_levels([t["levels"] for t in sweep_trials], "rate", OPEN_LOOP_KEYS)
+    summary["open_loop"] = fold_levels(
+        [t["levels"] for t in sweep_trials], "rate", (*OPEN_LOOP_KEYS, *open_extra)
+    )
     summary["closed_loop"] = fold_levels(closed_trials, "concurrency", (*CLOSED_LOOP_KEYS, *extra))
     if offline_trials:
         summary["offline"] = fold_offline(offline_trials)

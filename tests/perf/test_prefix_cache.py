@@ -19,7 +19,13 @@ from bench.budgets import check_closed
 from bench.metrics import describe_failures
 from bench.prefix import run_fresh_level
 from bench.profiles import prefix_workload
-from bench.trials import CLOSED_LOOP_KEYS, OPTIONAL_CLOSED_LOOP_KEYS, PREFIX_CACHE_KEYS, fold_levels
+from bench.trials import (
+    CLIENT_LOAD_KEYS,
+    CLOSED_LOOP_KEYS,
+    OPTIONAL_CLOSED_LOOP_KEYS,
+    PREFIX_CACHE_KEYS,
+    fold_levels,
+)
 
 pytestmark = pytest.mark.perf
 
@@ -41,7 +47,7 @@ def test_prefix_cache(benchmark, cached_server, target, mode, profile, concurren
         trials.append(
             {
                 "concurrency": concurrency,
-                **{key: summary[key] for key in CLOSED_LOOP_KEYS},
+                **{key: summary[key] for key in (*CLOSED_LOOP_KEYS, *CLIENT_LOAD_KEYS)},
                 **{key: summary[key] for key in PREFIX_CACHE_KEYS if key in summary},
             }
         )

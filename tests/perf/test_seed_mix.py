@@ -15,7 +15,13 @@ from bench.budgets import check_closed, check_sweep
 from bench.metrics import describe_failures
 from bench.runner import run_closed_loop, run_sweep, sweep_failures
 from bench.server_metrics import level_figures, level_names, read_settled_totals
-from bench.trials import CLOSED_LOOP_KEYS, OPEN_LOOP_KEYS, OPTIONAL_CLOSED_LOOP_KEYS, fold_levels
+from bench.trials import (
+    CLIENT_LOAD_KEYS,
+    CLOSED_LOOP_KEYS,
+    OPEN_LOOP_KEYS,
+    OPTIONAL_CLOSED_LOOP_KEYS,
+    fold_levels,
+)
 
 pytestmark = pytest.mark.perf
 
@@ -24,15 +30,17 @@ def test_open_loop_sweep(benchmark, server, target, mode, workload, profile, swe
     trials = []
     failed: list[str] = []
     shed: list[str] = []
+    warned: list[str] = []  # the runner's warnings of a level (a lagging client, late sends)
 
     def trial() -> None:
         result = run_sweep(server.endpoint, workload, profile.sweep_load, sweep)
         failures, turned_away = sweep_failures(result)
         failed.extend(failures)
         shed.extend(turned_away)
+        warned.extend(note for level in result.levels for note in level.warnings)
+        keys = (*OPEN_LOOP_KEYS, *CLIENT_LOAD_KEYS)
         levels = [
-            {"rate": level.summary["rate"], **{k: level.summary[k] for k in OPEN_LOOP_KEYS}}
-            for level in result.levels
+            {"rate": level.summary["rate"], **{k: level.summary[k] for k in keys}} for level in result.levels
         ]
         trials.append(
             {
@@ -56,6 +64,7 @@ def test_open_loop_sweep(benchmark, server, target, mode, workload, profile, swe
     )
     record.notes.extend(f"failed requests, {line}" for line in failed)
     record.notes.extend(f"turned away, {line}" for line in shed)
+    record.notes.extend(warned)
     assert not failed, "requests failed during the sweep:\n" + "\n".join(failed)
     recorder.check(
         target,
@@ -70,6 +79,7 @@ def test_closed_loop(benchmark, server, target, mode, workload, profile, concurr
     trials = []
     failed: list[str] = []
     noted: list[str] = []
+    warned: list[str] = []  # the runner's warnings of the level, already labelled with it
 
     def trial() -> None:
         # the server's own figures of the level (its split of the time to first token, the kernel
@@ -78,10 +88,11 @@ def test_closed_loop(benchmark, server, target, mode, workload, profile, concurr
         result = run_closed_loop(server.endpoint, workload, concurrency, profile.closed_load)
         after = read_settled_totals(server.endpoint, level_names())
         failed.extend(describe_failures(result.rows))
+        warned.extend(result.warnings)
         trials.append(
             {
                 "concurrency": concurrency,
-                **{k: result.summary[k] for k in CLOSED_LOOP_KEYS},
+                **{k: result.summary[k] for k in (*CLOSED_LOOP_KEYS, *CLIENT_LOAD_KEYS)},
                 **level_figures(before, after),
             }
         )
@@ -103,6 +114,7 @@ def test_closed_loop(benchmark, server, target, mode, workload, profile, concurr
     )
     record.notes.extend(f"failed requests, concurrency {concurrency}: {line}" for line in failed)
     record.notes.extend(f"concurrency {concurrency}: {line}" for line in noted)
+    record.notes.extend(warned)
     assert folded["failures_max"] == 0, (
         f"{folded['failures_max']:g} requests failed at concurrency {concurrency}:\n" + "\n".join(failed)
     )

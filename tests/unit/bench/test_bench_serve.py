@@ -155,6 +155,8 @@ def test_perf_tier_measures_a_served_server_records_its_flags_and_leaves_it_up(
     (level,) = summary["closed_loop"]
     assert level[KERNEL_COMPILES_KEY] == 0  # on CPU nothing compiles
     assert set(FIRST_TOKEN_KEYS) <= set(level)
+    # and the client's own load over it: did the client keep up (bench.selfcheck)
+    assert level["client_cpu_util"] > 0 and level["client_loop_lag_p99_s"] >= 0
     root = str(info["base_url"]).removesuffix("/v1")
     assert httpx.get(f"{root}/health", timeout=10).status_code == 200, (
         "the perf tier stopped a server it did not start"

@@ -104,6 +104,32 @@ def test_trials_fold_to_median_min_max_and_match_levels():
     assert level["output_tok_s_trials"] == [100.0, 90.0, 110.0] and rate3["served_req_s_trials"] == [2.9]
 
 
+def test_the_clients_own_load_is_folded_where_levels_have_it_and_absent_where_none_do():
+    """A level says whether the client kept up (bench.trials.CLIENT_LOAD_KEYS); summaries stored before
+    these figures fold without them, open loop and closed alike."""
+    lagging = {"client_loop_lag_p99_s": 0.02, "client_cpu_util": 0.95}
+    sweeps = [
+        {
+            "capacity_req_s": 10.0,
+            "capacity_still_rising": False,
+            "levels": [{"rate": 2.0, "served_req_s": 2.0, "failures": 0, **lagging}],
+        }
+    ]
+    closed = [
+        [{"concurrency": 8, "output_tok_s": v, "failures": 0, "client_cpu_util": u}]
+        for v, u in ((1.0, 0.5), (2.0, 0.7))
+    ]
+    summary = summarize_trials(header={}, sweep_trials=sweeps, closed_trials=closed, trials=2)
+    assert summary["open_loop"][0]["client_loop_lag_p99_s"] == 0.02
+    (level,) = summary["closed_loop"]
+    assert level["client_cpu_util_trials"] == [0.5, 0.7] and "client_loop_lag_p99_s" not in level
+    for levels in sweeps[0]["levels"], closed[0]:
+        for key in lagging:
+            levels[0].pop(key, None)
+    bare = summarize_trials(header={}, sweep_trials=sweeps, closed_trials=[closed[0]], trials=1)
+    assert not {*lagging} & {*bare["open_loop"][0], *bare["closed_loop"][0]}
+
+
 def test_the_reviewed_budget_file_loads():
     budgets = load_budgets(BUDGETS_FILE)
     assert {"vllm", "engine"} <= set(budgets)
