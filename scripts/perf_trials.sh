@@ -17,6 +17,8 @@
 # env:   VLLM_GPU (0), ENGINE_GPU (1), TARGETS ("vllm engine"), ONE_GPU (0; 1: one target at a time on GPU 0),
 #        PERF_TIMEOUT (seconds per trial; 0, the default, for none),
 #        PERF_K (a pytest -k expression: only those cases),
+#        PERF_TRIALS (trials a target per invocation, 1 by default: more against one server start, where a
+#        start costs minutes (vLLM's) and the trials need not alternate with the other target's),
 #        PERF_DTYPE (bfloat16; float32 for the engine on CPU), PERF_VLLM_ENV (a staged vLLM's env file; see bench/launch.py)
 # Writes perf-out/NAME/TARGET/ (summary JSON, benchmark JSON, report) and perf-out/NAME/TARGET.log.
 set -uo pipefail
@@ -58,7 +60,7 @@ trial() {  # TARGET: one trial against its running server
   mkdir -p "$root/$name/$target"
   CUDA_VISIBLE_DEVICES=$(gpu_of "$target") timeout "${PERF_TIMEOUT:-0}" python3 -m pytest -m perf tests/perf \
     --target "$target" --server-info "$root/$target-server.json" --model "$(basename "$model")" \
-    --profile "$profile" --trials 1 --perf-out "$root/$name/$target" \
+    --profile "$profile" --trials "${PERF_TRIALS:-1}" --perf-out "$root/$name/$target" \
     --benchmark-json "$root/$name/$target/benchmark.json" -q -rs -p no:cacheprovider ${PERF_K:+-k "$PERF_K"}
 }
 
