@@ -42,6 +42,7 @@ from bench.machine import describe_machine
 from bench.metrics import RequestRow
 from bench.probe import first_model
 from bench.runner import LoadConfig, run_closed_loop
+from bench.trials import CLIENT_LOAD_KEYS
 from bench.workload import WorkloadSpec
 
 CONSTANT_TOKEN = 1234  # in every vocabulary this project serves, and not an end-of-sequence token
@@ -190,7 +191,7 @@ class TreeLoop:
     rows: list[RequestRow]  # the measured requests (no warm-up)
     processes: list[ProcessCpu]  # tree_delta over the loop
     wall_s: float
-    client: dict[str, float]  # the client's own load: processes, event-loop lag p99, CPU of a core
+    client: dict[str, float]  # the client's processes and own load (bench.trials.CLIENT_LOAD_KEYS)
 
     @property
     def cpu_s(self) -> float:
@@ -216,11 +217,7 @@ def measure_tree_loop(
     level = run_closed_loop(endpoint, workload, concurrency, measured)
     after, wall_s = process_tree(pid), time.perf_counter() - start
     rows = [row for row in level.rows if not row.warmup]
-    client = {
-        "workers": level.summary["workers"],
-        "loop_lag_p99_s": level.summary["client_loop_lag_p99_s"],
-        "cpu_util": level.summary["client_cpu_util"],
-    }
+    client = {key: level.summary[key] for key in ("workers", *CLIENT_LOAD_KEYS)}
     return TreeLoop(rows, tree_delta(before, after), wall_s, client)
 
 

@@ -207,6 +207,11 @@ def _number(value: Any) -> bool:
     return isinstance(value, int | float) and value == value
 
 
+def _present(keys: Sequence[str], levels: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The optional figures some level has a number for: the ones a summary folds."""
+    return [key for key in keys if any(_number(level.get(key)) for level in levels)]
+
+
 def fold_offline(trials: Sequence[Mapping[str, Mapping[str, Any]]]) -> dict[str, dict[str, Any]]:
     """Offline sections of several trials, entry by entry (`all`, `closed-8`, `probes`): the median,
     min and max of each of OFFLINE_KEYS and of the step phases; an entry some trials lack is folded
@@ -247,16 +252,8 @@ def summarize_trials(
     closed_trials: for each trial, its closed-loop level summaries (OPTIONAL_CLOSED_LOOP_KEYS folded too
     where a level has them); offline_trials: each trial's offline section (an `offline` key only when there
     is one)."""
-    extra = [
-        key
-        for key in OPTIONAL_CLOSED_LOOP_KEYS
-        if any(_number(level.get(key)) for levels in closed_trials for level in levels)
-    ]
-    open_extra = [
-        key
-        for key in CLIENT_LOAD_KEYS
-        if any(_number(level.get(key)) for trial in sweep_trials for level in trial["levels"])
-    ]
+    extra = _present(OPTIONAL_CLOSED_LOOP_KEYS, [level for levels in closed_trials for level in levels])
+    open_extra = _present(CLIENT_LOAD_KEYS, [level for trial in sweep_trials for level in trial["levels"]])
     summary: dict[str, Any] = dict(header)
     summary["trials"] = trials
     if sweep_trials:

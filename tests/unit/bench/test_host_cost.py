@@ -25,7 +25,7 @@ def test_host_cost_streams_every_token_and_reports_the_servers_cpu(tiny_model_di
     assert 1 <= figures["output_tokens"] / figures["chunks"] <= 64
     assert (figures["http"], figures["event_loop"]) == ("httptools", "uvloop")
     assert figures["config"]["concurrency"] == 4 and figures["machine"]["cpu_count"] == os.cpu_count()
-    assert figures["client"]["workers"] == 1 and figures["client"]["cpu_util"] > 0
+    assert figures["client"]["workers"] == 1 and figures["client"]["client_cpu_util"] > 0
     # the engine's steps alone, the same closed loop without the server: every token, split by phase
     assert figures["engine_output_tokens"] == 16 * 64
     phases = [

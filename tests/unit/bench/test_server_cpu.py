@@ -43,7 +43,7 @@ def test_a_running_servers_whole_tree_is_measured_per_1000_tokens(running_server
     assert (server["target"], server["completed"], server["failures"]) == ("engine", 4, 0)
     # two client processes shared the streams, and said how loaded each was; neither is the server's
     assert report["config"]["workers"] == 2 and server["client"]["workers"] == 2
-    assert server["client"]["loop_lag_p99_s"] >= 0 and server["client"]["cpu_util"] > 0
+    assert server["client"]["client_loop_lag_p99_s"] >= 0 and server["client"]["client_cpu_util"] > 0
     assert server["output_tokens"] == 4 * 24 and server["pid"] == process.process.pid
     # the API process and the engine core's process, each with its own CPU time
     processes = server["processes"]
