@@ -38,6 +38,7 @@ from bench.profiles import Profile, seed_mix
 from bench.results import json_safe
 from bench.runner import run_closed_loop, run_sweep, sweep_failures
 from bench.trials import (
+    CLIENT_LOAD_KEYS,
     CLOSED_LOOP_KEYS,
     GREEDY,
     OPEN_LOOP_KEYS,
@@ -109,7 +110,8 @@ def remove_worktree(repo: str | Path, folder: Path) -> None:
 
 def measure(endpoint: Endpoint, workload: WorkloadSpec, profile: Profile) -> dict[str, Any]:
     """One trial against a warm server: the profile's sweep (if any) and its closed loops, in the
-    shapes bench.trials.summarize_trials folds, and the failed requests' descriptions."""
+    shapes bench.trials.summarize_trials folds, and the failed requests' descriptions. Each level
+    keeps the client's own load (CLIENT_LOAD_KEYS), so a side whose figures the client capped shows it."""
     trial: dict[str, Any] = {"sweep": None, "closed": [], "failed": []}
     if profile.sweep is not None:
         result = run_sweep(endpoint, workload, profile.sweep_load, profile.sweep)
@@ -119,7 +121,10 @@ def measure(endpoint: Endpoint, workload: WorkloadSpec, profile: Profile) -> dic
             "capacity_req_s": result.capacity_req_s,
             "capacity_still_rising": result.capacity_still_rising,
             "levels": [
-                {"rate": level.summary["rate"], **{k: level.summary[k] for k in OPEN_LOOP_KEYS}}
+                {
+                    "rate": level.summary["rate"],
+                    **{k: level.summary[k] for k in (*OPEN_LOOP_KEYS, *CLIENT_LOAD_KEYS)},
+                }
                 for level in result.levels
             ],
         }
@@ -127,7 +132,10 @@ def measure(endpoint: Endpoint, workload: WorkloadSpec, profile: Profile) -> dic
         level = run_closed_loop(endpoint, workload, concurrency, profile.closed_load)
         trial["failed"] += [f"concurrency {concurrency}: {line}" for line in describe_failures(level.rows)]
         trial["closed"].append(
-            {"concurrency": concurrency, **{k: level.summary[k] for k in CLOSED_LOOP_KEYS}}
+            {
+                "concurrency": concurrency,
+                **{k: level.summary[k] for k in (*CLOSED_LOOP_KEYS, *CLIENT_LOAD_KEYS)},
+            }
         )
     return trial
 
