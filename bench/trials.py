@@ -308,7 +308,7 @@ def merge_summaries(
     sweeps = summaries if sweep_from is None else sweep_from
     sweep_trials = [
         {
-            "trials": s["trials"],
+            "trials": _sweep_count(s),
             "capacity_req_s": s["capacity_req_s"],
             **({"capacity_req_s_trials": s["capacity_req_s_trials"]} if "capacity_req_s_trials" in s else {}),
             "capacity_still_rising": s["capacity_still_rising"],
@@ -335,6 +335,16 @@ def merge_summaries(
         trials=_merged_trials(summaries, sweep_from is None),
         offline_trials=offline,
     )
+
+
+def _sweep_count(summary: Mapping[str, Any]) -> int:
+    """How many open-loop sweeps a summary's capacity pools: its list of each sweep's capacity where
+    it has one, else what a merge recorded (`sweep_trials`), else its trials. Not `trials` first: a
+    reference whose closed loops were re-measured (three trials) may keep one sweep of an earlier lease."""
+    listed = summary.get("capacity_req_s_trials")
+    if listed is not None:
+        return len(listed)
+    return int(summary.get("sweep_trials") or summary["trials"])
 
 
 def _provenance(summaries: Sequence[Mapping[str, Any]]) -> tuple[list[Any], list[int]]:

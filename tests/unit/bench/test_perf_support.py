@@ -487,6 +487,9 @@ def test_merge_takes_the_sweep_from_runs_of_their_own(tmp_path):
     kept = merge_summaries([anew], sweep_from=[_one_trial(91.0, 0.0, "old")])
     assert kept["trials"] == 3 and kept["closed_loop"][0]["output_tok_s"] == 100.0
     assert kept["capacity_req_s"] == 91.0 and kept["sweep_from"] == ["old"] and kept["sweep_trials"] == 1
+    # Re-merged once more, the kept reference still counts its one sweep, not its three closed loops.
+    again = merge_summaries([_trials([], [99.0, 98.0, 97.0], "newer")], sweep_from=[kept])
+    assert again["sweep_trials"] == 1 and again["capacity_req_s_trials"] == [91.0]
     paths = {}
     for name, part in [("c1", closed[0]), ("c2", closed[1]), ("s1", sweeps[0]), ("s2", sweeps[1])]:
         paths[name] = tmp_path / f"{name}.json"
