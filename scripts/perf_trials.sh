@@ -15,6 +15,8 @@
 #
 # usage: scripts/perf_trials.sh NAME [MODEL] [PROFILE]   (defaults: qwen2.5-1.5b, full)
 # env:   VLLM_GPU (0), ENGINE_GPU (1), TARGETS ("vllm engine"), ONE_GPU (0; 1: one target at a time on GPU 0),
+#        KEEP_SERVER (with ONE_GPU=1: 1 leaves the last target's server up for the next invocation, which
+#        reuses it; a target's server starts only after every other target's is stopped),
 #        PERF_TIMEOUT (seconds per trial; 0, the default, for none),
 #        PERF_K (a pytest -k expression: only those cases),
 #        PERF_TRIALS (trials a target per invocation, 1 by default: more against one server start, where a
@@ -69,13 +71,26 @@ report() {  # TARGET: the tier's closing table of its trial
   sed -n '/perf: figures and budgets/,$p' "$root/$name/$1.log" | tail -n 20
 }
 
+stop_others() {  # TARGET: every other target's server left up by an earlier invocation (KEEP_SERVER=1)
+  local info
+  for info in "$root"/*-server.json; do
+    [ -f "$info" ] && [ "$info" != "$root/$1-server.json" ] && serving "$info" && python3 -m bench stop --info "$info"
+  done
+  return 0
+}
+
 if [ "${ONE_GPU:-0}" = 1 ]; then
   status=0
-  for target in ${TARGETS:-vllm engine}; do
+  targets=(${TARGETS:-vllm engine})
+  for i in "${!targets[@]}"; do
+    target=${targets[$i]}
+    stop_others "$target"
     start_server "$target" >"$root/$name/$target-start.log" 2>&1 || { cat "$root/$name/$target-start.log"; exit 3; }
     cat "$root/$name/$target-start.log"
     trial "$target" >"$root/$name/$target.log" 2>&1 || status=1
-    python3 -m bench stop --info "$root/$target-server.json"
+    if [ "${KEEP_SERVER:-0}" != 1 ] || [ "$i" -lt $(( ${#targets[@]} - 1 )) ]; then
+      python3 -m bench stop --info "$root/$target-server.json"
+    fi
     report "$target"
   done
   exit $status
