@@ -2,7 +2,7 @@
 
 `run` turns flags into a bench.suite.RunConfig and calls run_benchmark; `offline` drives a target's
 step-level engine in a child process (bench.offline.run_offline); `report` calls
-bench.report.write_report; `compare` calls bench.compare.compare_results and exits 1 on a regression;
+bench.report.write_report (with `--png`, write_plots); `compare` calls bench.compare.compare_results and exits 1 on a regression;
 `merge` folds perf summaries run separately, pooling their trials (bench.trials.merge_summaries); `serve`
 starts a target's server as the perf tier would and leaves it running (bench.launch); `ab` measures
 two commits on this machine, interleaved, and compares them (bench.ab); `fidelity-summary` folds
@@ -50,7 +50,7 @@ from bench.offline import (
 )
 from bench.probe import ServerQueryError, first_model
 from bench.profiles import PROFILES
-from bench.report import write_report
+from bench.report import write_plots, write_report
 from bench.results import json_safe, write_run
 from bench.runner import LoadConfig, SweepConfig
 from bench.server_cpu import run as run_server_cpu
@@ -234,6 +234,12 @@ def build_parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", help="render run folders side by side as one HTML page")
     report.add_argument("results", nargs="+", help="run folders, run.json or summary JSON files")
     report.add_argument("--out", default="report.html")
+    report.add_argument(
+        "--png",
+        metavar="PREFIX",
+        help="instead of the page, the plots as PREFIX-open-loop.png and PREFIX-closed-loop.png "
+        "(results of one workload; e.g. the README's from the stored references)",
+    )
 
     compare = commands.add_parser(
         "compare", help="compare two results; exit 1 on a regression, 4 unreliable, 3 nothing compared"
@@ -731,6 +737,13 @@ def dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error("host-cost needs --model (this project's server, model taken out) or --server-info")
         return run_host_cost(args)
     if args.command == "report":
+        if args.png:
+            try:
+                drawn = write_plots(args.results, args.png)
+            except (OSError, ValueError) as exc:
+                parser.error(str(exc))
+            print("wrote " + ", ".join(str(path) for path in drawn))
+            return 0
         print(f"wrote {write_report(args.results, args.out)}")
         return 0
     try:

@@ -4,7 +4,8 @@
 self-contained page: served vs offered rate, TTFT and latency vs rate, tokens/s vs concurrency,
 and tables of the numbers. Results measured in several sampling modes (the perf tier's greedy and
 sampled summaries) get a section each, so a figure sets side by side only results of one workload.
-The CLI's `report` subcommand and the perf tier call it.
+The CLI's `report` subcommand and the perf tier call it; `write_plots` writes the same plots as PNG
+files (the README's, `report --png PREFIX`).
 """
 
 from __future__ import annotations
@@ -91,6 +92,29 @@ def write_report(paths: Sequence[str | Path], out: str | Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(render(results))
     return out
+
+
+def write_plots(paths: Sequence[str | Path], prefix: str | Path) -> list[Path]:
+    """The report's plots as PNG files beside a document that shows them (the README's):
+    PREFIX-open-loop.png where a result has open-loop levels, PREFIX-closed-loop.png where one has
+    closed-loop levels. Drawn by this code and not by hand, so that a re-stored reference redraws
+    them with one command. Results of one workload only (a figure sets side by side only results
+    sampled and sent alike): ValueError otherwise, or when no result has a level to draw."""
+    results = [load_result(path) for path in paths]
+    _name_targets(results)
+    modes = list(_by_sampling(results))
+    if len(modes) > 1:
+        raise ValueError(f"the results differ in workload ({', '.join(modes)}): draw each apart")
+    drawn: list[Path] = []
+    for mode, plot in (("open", _plot_open), ("closed", _plot_closed)):
+        if any(_levels(r, mode) for r in results):
+            out = Path(f"{prefix}-{mode}-loop.png")
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_bytes(plot(results))
+            drawn.append(out)
+    if not drawn:
+        raise ValueError("no open-loop or closed-loop levels in these results: nothing to draw")
+    return drawn
 
 
 def _name_targets(results: list[Result]) -> None:

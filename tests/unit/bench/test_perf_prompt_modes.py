@@ -14,6 +14,7 @@ import pytest
 from perf_tier_process import run_perf_tier
 from test_perf_sampling import recording_fake_server, sections  # noqa: F401 (a fixture)
 
+from bench.__main__ import main
 from bench.budgets import load_budgets
 from bench.machine import describe_machine
 from bench.profiles import PROFILES, seed_mix
@@ -161,3 +162,53 @@ def test_compare_notes_a_text_result_held_to_a_token_id_one(tmp_path):
     note = compare_results(summary("greedy"), summary("chat")).sampling_note
     assert note is not None and "base is greedy, new is greedy, chat completions" in note
     assert compare_results(summary("text"), summary("text")).sampling_note is None
+
+
+def test_report_png_draws_the_plots_a_document_shows_and_refuses_mixed_workloads(tmp_path, capsys):
+    def summary(name: str, mode: str, open_loop: bool) -> str:
+        closed = {"concurrency": 4.0, "output_tok_s": 10.0, "ttft_p50_s": 0.1, "tpot_p50_s": 0.01}
+        rate = {"rate": 2.0, "served_req_s": 1.9, "ttft_p50_s": 0.1, "ttft_p99_s": 0.2, "e2e_p50_s": 1.0}
+        body = {
+            "target": name,
+            **sampling_header(mode),
+            "open_loop": [rate] if open_loop else [],
+            "closed_loop": [closed],
+        }
+        path = tmp_path / f"{name}-{mode}.json"
+        path.write_text(json.dumps(body))
+        return str(path)
+
+    prefix = tmp_path / "docs" / "gpu"
+    assert (
+        main(
+            [
+                "report",
+                summary("engine", "greedy", True),
+                summary("vllm", "greedy", False),
+                "--png",
+                str(prefix),
+            ]
+        )
+        == 0
+    )
+    for mode in ("open", "closed"):
+        png = Path(f"{prefix}-{mode}-loop.png").read_bytes()
+        assert png.startswith(b"\x89PNG") and len(png) > 10_000
+    assert "gpu-open-loop.png" in capsys.readouterr().out
+    # only closed loops: the open-loop plot is not drawn (nor left over from an earlier call)
+    only_closed = tmp_path / "closed"
+    assert main(["report", summary("engine", "greedy", False), "--png", str(only_closed)]) == 0
+    assert (
+        Path(f"{only_closed}-closed-loop.png").exists() and not Path(f"{only_closed}-open-loop.png").exists()
+    )
+    with pytest.raises(SystemExit) as refused:
+        main(
+            [
+                "report",
+                summary("engine", "greedy", False),
+                summary("engine", "text", False),
+                "--png",
+                str(prefix),
+            ]
+        )
+    assert refused.value.code == 2 and "differ in workload" in capsys.readouterr().err
