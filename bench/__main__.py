@@ -1,9 +1,10 @@
-"""Command line: `python -m bench run|offline|report|compare|merge|serve|ab|fidelity-summary`.
+"""Command line: `python -m bench run|offline|report|compare|merge|budgets|serve|stop|ab|host-cost|fidelity-summary`.
 
 `run` turns flags into a bench.suite.RunConfig and calls run_benchmark; `offline` drives a target's
 step-level engine in a child process (bench.offline.run_offline); `report` calls
 bench.report.write_report (with `--png`, write_plots); `compare` calls bench.compare.compare_results and exits 1 on a regression;
-`merge` folds perf summaries run separately, pooling their trials (bench.trials.merge_summaries); `serve`
+`merge` folds perf summaries run separately, pooling their trials (bench.trials.merge_summaries);
+`budgets` proposes the perf tier's budgets from two summaries (bench.budget_proposal); `serve`
 starts a target's server as the perf tier would and leaves it running (bench.launch); `ab` measures
 two commits on this machine, interleaved, and compares them (bench.ab); `fidelity-summary` folds
 alternating runs of bench and `vllm bench serve` into one JSON (bench.fidelity, scripts/fidelity.sh).
@@ -24,6 +25,9 @@ from urllib.parse import urlparse
 import httpx
 
 from bench.ab import AbConfig, AbError, run_ab
+from bench.budget_proposal import DEFAULT_MARGIN, propose_budgets
+from bench.budget_proposal import table as proposal_table
+from bench.budgets import load_budgets
 from bench.client import Endpoint
 from bench.compare import DEFAULT_MAX_DROP, EXIT_BAD_INPUT, compare_results, parse_max_drop
 from bench.fidelity import DEFAULT_TOLERANCE_PCT, Run, describe, summarize_runs
@@ -304,6 +308,22 @@ def build_parser() -> argparse.ArgumentParser:
         "the closed loops then come from the positional ones only",
     )
     merge.add_argument("--out", required=True)
+
+    budgets = commands.add_parser(
+        "budgets",
+        help="propose the perf tier's budgets from an engine and a vLLM summary of one mode "
+        "(bench.budget_proposal): each figure's ratio, its least favourable pairing, the budget in force",
+    )
+    budgets.add_argument("engine", help="the engine's summary JSON (a stored reference, or one lease's)")
+    budgets.add_argument("vllm", help="vLLM's summary JSON of the same mode")
+    budgets.add_argument("--budgets", default="tests/perf/budgets.toml", help="the budget file in force")
+    budgets.add_argument(
+        "--margin",
+        type=float,
+        default=DEFAULT_MARGIN,
+        help="how far past the least favourable pairing a budget sits (default %(default)s: the same "
+        "vLLM moved up to 28%% between lent hosts)",
+    )
 
     serve = commands.add_parser(
         "serve",
@@ -594,6 +614,18 @@ def command_merge(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     return 0
 
 
+def command_budgets(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        engine, vllm = _read_json([args.engine, args.vllm])
+        proposals = propose_budgets(engine, vllm, load_budgets(args.budgets), args.margin)
+    except (OSError, ValueError) as exc:
+        parser.error(str(exc))
+    if not proposals:
+        parser.error("the two summaries share no budgeted figure at any level")
+    print(proposal_table(proposals, args.margin))
+    return 0
+
+
 def _default_target(base_url: str, root_url: str) -> str:
     try:
         body = httpx.get(f"{root_url}/version", timeout=10).json()
@@ -722,6 +754,8 @@ def dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return command_run(args, parser)
     if args.command == "merge":
         return command_merge(args, parser)
+    if args.command == "budgets":
+        return command_budgets(args, parser)
     if args.command == "serve":
         return command_serve(args)
     if args.command == "stop":

@@ -227,7 +227,7 @@ def load_budgets(path: str | Path) -> dict[str, dict[str, dict[str, Budget]]]:
     return budgets
 
 
-def _match(levels: list[Mapping[str, Any]], key: str, value: float) -> Mapping[str, Any] | None:
+def match_level(levels: list[Mapping[str, Any]], key: str, value: float) -> Mapping[str, Any] | None:
     """The level whose `key` is `value` (rates within RATE_TOLERANCE), or None."""
     for level in levels:
         other = float(level[key])
@@ -260,7 +260,7 @@ def check_sweep(
         if rate >= BELOW_SATURATION * capacity:
             continue
         name = f"rate {rate:g}/s"
-        ref_level = _match(ref_levels, "rate", rate)
+        ref_level = match_level(ref_levels, "rate", rate)
         for metric in ("ttft_p50_s", "tpot_p50_s"):
             if metric not in budgets:
                 continue
@@ -287,7 +287,7 @@ def check_closed(
     budget = budget_for(budgets, "output_tok_s", level_name(concurrency))
     if budget is None:
         return [skipped(name, "output_tok_s", f"no budget for concurrency {concurrency} in the budget file")]
-    ref_level = _match(list(reference.get("closed_loop") or []), "concurrency", float(concurrency))
+    ref_level = match_level(list(reference.get("closed_loop") or []), "concurrency", float(concurrency))
     if ref_level is None:
         return [skipped(name, "output_tok_s", f"the reference has no concurrency {concurrency}")]
     return [
@@ -311,13 +311,13 @@ def check_offline(
         level = f"offline {key}"
         for name, metric in OFFLINE_BUDGETS.items():
             ours, theirs = entry.get(metric), reference_entry.get(metric)
-            if ours is None and not _number(theirs):
+            if ours is None and not known_figure(theirs):
                 continue
             budget = budget_for(budgets, name, key) if name in budgets else None
             if budget is None:
                 if ours is not None:
                     checks.append(skipped(level, metric, f"no {name} budget for offline mode {key!r}"))
-            elif not _number(theirs):
+            elif not known_figure(theirs):
                 checks.append(skipped(level, metric, f"the reference has no offline {key} {metric}"))
             elif ours is None:
                 why = f"this run has no offline {key} {metric}"
@@ -341,5 +341,6 @@ def may_store_baseline(checks: list[BudgetCheck], failed_cases: int, force: bool
     return None
 
 
-def _number(value: Any) -> bool:
+def known_figure(value: Any) -> bool:
+    """A figure a summary holds: present and not NaN (a figure never measured is stored as NaN)."""
     return value is not None and not math.isnan(float(value))
