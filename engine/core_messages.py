@@ -31,6 +31,9 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     params: SamplingParams
     arrival_time: float
     max_pending: int
+    # Each request's own seed where they differ: the choices of one prompt (`n` > 1) with a seed, which
+    # would otherwise draw alike; None: every request takes params.seed.
+    seeds: list[int] | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):

@@ -34,7 +34,7 @@ import tempfile
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.process import BaseProcess
 from typing import Protocol, TypeVar
 
@@ -243,9 +243,12 @@ class EngineCore:
         engine = self.engine
         received = time.monotonic()
         added: list[str] = []
-        for request_id, prompt in zip(request_ids, message.prompts, strict=True):
+        for index, (request_id, prompt) in enumerate(zip(request_ids, message.prompts, strict=True)):
+            params = message.params
+            if message.seeds is not None:
+                params = replace(params, seed=message.seeds[index])
             try:
-                engine.add_request(request_id, prompt, message.params, message.arrival_time)
+                engine.add_request(request_id, prompt, params, message.arrival_time)
             except Exception as error:  # a bad request fails alone; the loop goes on
                 if isinstance(error, InvalidRequestError):
                     kind, text, param = "invalid", error.message, error.param

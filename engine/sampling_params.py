@@ -17,6 +17,13 @@ SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
 
 
+def choice_seed(seed: int, choice: int) -> int:
+    """The seed of choice `choice` of a request that asks for several with `seed` (`n` > 1): seed +
+    choice, as vLLM numbers them, taken mod 2^64 so that it stays a valid seed; draws are keyed by the
+    seed mod 2^64 (engine/sampler.py), so choice 0 draws exactly as the request would alone."""
+    return (seed + choice) % 2**64
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop.

@@ -25,6 +25,7 @@ from transformers import AutoTokenizer
 import engine as engine_package
 from engine import InvalidRequestError, RequestOutput, SamplingParams
 from engine.core_process import CoreHandle
+from engine.sampling_params import choice_seed
 from engine.validation import RequestValidator
 from server.async_engine import AdmissionError, AsyncEngine, EngineLoopError, RequestStream
 from server.errors import (
@@ -138,11 +139,11 @@ class _Server:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", "model")
 
-    def check_admission(self, count: int) -> None:
+    def check_admission(self, count: int, param: str = "prompt") -> None:
         """Fail fast, before tokenizing, on what this process knows; the core, which sees every API
         process's requests, decides when `submit` sends them."""
         try:
-            self.async_engine.check_admission(count)
+            self.async_engine.check_admission(count, param)
         except AdmissionError as error:
             raise self._rejected(error) from error
 
@@ -166,12 +167,19 @@ class _Server:
         return await asyncio.to_thread(lambda: [self.validator.validate(p, params) for p in prompts])
 
     async def submit(
-        self, request_id: str, token_lists: list[list[int]], params: SamplingParams
+        self, request_id: str, token_lists: list[list[int]], params: SamplingParams, n: int
     ) -> RequestStream:
-        """Send the requests and wait for the core to admit them: a refusal is still a 503 (over the
-        limit, counted over every API process), a 400 or a 500, not an error inside a stream."""
+        """Send `n` requests (choices) for each prompt and wait for the core to admit them: a refusal is
+        still a 503 (over the limit, counted over every API process), a 400 or a 500, not an error
+        inside a stream. A prompt's choices are consecutive (choice index = prompt x n + j, as
+        OpenAI's and vLLM's servers number them); with a seed, choice j draws with seed + j (as vLLM
+        does), so that each is reproducible alone and the choices differ."""
+        requests = [ids for ids in token_lists for _ in range(n)]
+        seeds = None
+        if n > 1 and params.seed is not None:
+            seeds = [choice_seed(params.seed, j) for _ in token_lists for j in range(n)]
         try:
-            stream = self.async_engine.add(request_id, token_lists, params)
+            stream = self.async_engine.add(request_id, requests, params, seeds)
             await stream.admitted()
         except AdmissionError as error:
             raise self._rejected(error) from error
@@ -188,9 +196,10 @@ class _Server:
         params: SamplingParams,
         stream: bool,
         include_usage: bool,
+        n: int = 1,
     ) -> Response:
-        engine_stream = await self.submit(response_id, token_lists, params)
-        num_prompt_tokens = sum(len(ids) for ids in token_lists)
+        engine_stream = await self.submit(response_id, token_lists, params, n)
+        num_prompt_tokens = sum(len(ids) for ids in token_lists)  # each prompt once, whatever n
         if stream:
             encoder = ChunkEncoder(kind, response_id, self.model_name, int(time.time()))
             return EngineStreamingResponse(
@@ -306,7 +315,7 @@ def create_app(
         server.check_model(body.model)
         body.check_supported()
         prompts = body.prompts()
-        server.check_admission(len(prompts))
+        server.check_admission(len(prompts) * body.choices, "n" if body.choices > 1 else "prompt")
         params = body.sampling_params(
             DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         )
@@ -319,13 +328,14 @@ def create_app(
             params,
             body.stream,
             body.include_usage,
+            body.choices,
         )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         server.check_model(body.model)
         body.check_supported()
-        server.check_admission(1)
+        server.check_admission(body.choices, "n")
         prompt = render_chat(tokenizer, body.messages, body.add_generation_prompt)
         max_tokens = body.requested_max_tokens
         params = body.sampling_params(1 if max_tokens is None else max_tokens)
@@ -340,6 +350,7 @@ def create_app(
             params,
             body.stream,
             body.include_usage,
+            body.choices,
         )
 
     @app.get("/v1/models")

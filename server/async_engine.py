@@ -262,10 +262,17 @@ class AsyncEngine:
         return await done
 
     # -- requests ----------------------------------------------------------------------------------
-    def add(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> RequestStream:
+    def add(
+        self,
+        request_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        seeds: list[int] | None = None,
+    ) -> RequestStream:
         """Send len(prompts) engine requests (already validated) to the core, which admits them all or
         none (await the stream's `admitted`); raises AdmissionError at once when this process alone
-        is over the limit, or is shutting down, or has lost the core."""
+        is over the limit, or is shutting down, or has lost the core. `seeds`: each request's own
+        seed in place of params.seed (core_messages.AddRequest)."""
         self.check_admission(len(prompts))
         request_ids = (
             [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
@@ -281,17 +288,18 @@ class AsyncEngine:
             if observer:
                 observer.on_request_added(len(token_ids))
         self._awaiting_verdict[request_id] = stream
-        self._send(AddRequest(request_id, request_ids, prompts, params, now, self.max_pending))
+        self._send(AddRequest(request_id, request_ids, prompts, params, now, self.max_pending, seeds))
         return stream
 
-    def check_admission(self, count: int) -> None:
+    def check_admission(self, count: int, param: str = "prompt") -> None:
         """Raise AdmissionError unless `count` more requests fit under max_pending as far as this
         process knows (the core holds the limit over every API process), and InvalidRequestError (a
-        400) for a batch that could never fit, even on an idle server."""
+        400, naming `param`: the batch, or `n`) for a batch that could never fit, even on an idle
+        server."""
         if count > self.max_pending:
             raise InvalidRequestError(
-                f"a batch of {count} prompts is more than the server ever accepts at once ({self.max_pending}, --max-pending)",
-                "prompt",
+                f"a batch of {count} requests (prompts x n) is more than the server ever accepts at once ({self.max_pending}, --max-pending)",
+                param,
             )
         if not self.accepting:
             raise AdmissionError("the server is shutting down")

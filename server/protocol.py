@@ -17,6 +17,7 @@ from engine import SamplingParams
 from server.errors import bad_request
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_CHOICES = 128  # the most choices (`n`) one request may ask for, as OpenAI's API allows
 
 
 class _Schema(BaseModel):
@@ -50,8 +51,13 @@ class _SamplingRequest(_Schema):
 
     def check_supported(self) -> None:
         """Refuse, naming the field, what the engine cannot honour (rather than silently ignore it)."""
-        if self.n not in (None, 1):
-            raise bad_request("only n=1 is supported", "n")
+        if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
+            raise bad_request(f"n must be an integer in [1, {MAX_CHOICES}], got {self.n}", "n")
+
+    @property
+    def choices(self) -> int:
+        """How many choices to generate for each prompt (`n`)."""
+        return self.n or 1
 
     @property
     def include_usage(self) -> bool:

@@ -57,11 +57,11 @@ BAD_REQUESTS: list[tuple[str, Any, str | None]] = [
     (COMPLETION, {"prompt": ["ok", "\udfff"]}, "prompt"),
     (CHAT, {"messages": [{"role": "user", "content": "\ud83d"}]}, "messages"),
     # features refused clearly rather than ignored
-    (COMPLETION, {"prompt": "hi", "n": 2}, "n"),
+    (COMPLETION, {"prompt": "hi", "n": 0}, "n"),
     (COMPLETION, {"prompt": "hi", "logprobs": 1}, "logprobs"),
     (COMPLETION, {"prompt": "hi", "echo": True}, "echo"),
     (COMPLETION, {"prompt": "hi", "best_of": 2}, "best_of"),
-    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "n": 3}, "n"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "n": 129}, "n"),
     (CHAT, {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
 ]
 
@@ -134,12 +134,10 @@ CHAT_BODY = {"messages": [{"role": "user", "content": "hi"}]}
 # (The penalties and min_p are served: tests/unit/server/test_server_sampling.py.)
 REFUSED: list[tuple[str, str, Any, str]] = [
     (COMPLETION, "suffix", "tail", "suffix is not supported"),
-    (COMPLETION, "n", 2, "only n=1 is supported"),
     (COMPLETION, "logprobs", 0, "logprobs are not supported"),
     (COMPLETION, "echo", True, "echo is not supported"),
     (COMPLETION, "best_of", 3, "only best_of=1 is supported"),
     (CHAT, "top_logprobs", 2, "top_logprobs are not supported"),
-    (CHAT, "n", 4, "only n=1 is supported"),
     (CHAT, "logprobs", True, "logprobs are not supported"),
 ]
 

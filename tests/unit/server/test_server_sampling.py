@@ -1,6 +1,7 @@
 """The sampling fields beyond OpenAI's basics, through the API: presence_penalty and frequency_penalty
 (OpenAI's), repetition_penalty, min_p and top_k (vLLM's extras) reach the engine, bad values are 400s
-naming the field, and logprobs and n > 1 stay refused (tests/unit/server/test_server_errors.py).
+naming the field, and logprobs stay refused (tests/unit/server/test_server_errors.py; several
+choices a prompt, `n`: tests/unit/server/test_server_choices.py).
 """
 
 from __future__ import annotations
