@@ -178,37 +178,20 @@ def test_report_png_draws_the_plots_a_document_shows_and_refuses_mixed_workloads
         path.write_text(json.dumps(body))
         return str(path)
 
+    def draw(prefix: Path, *paths: str) -> int:
+        return main(["report", *paths, "--png", str(prefix)])
+
     prefix = tmp_path / "docs" / "gpu"
-    assert (
-        main(
-            [
-                "report",
-                summary("engine", "greedy", True),
-                summary("vllm", "greedy", False),
-                "--png",
-                str(prefix),
-            ]
-        )
-        == 0
-    )
+    assert draw(prefix, summary("engine", "greedy", True), summary("vllm", "greedy", False)) == 0
     for mode in ("open", "closed"):
         png = Path(f"{prefix}-{mode}-loop.png").read_bytes()
         assert png.startswith(b"\x89PNG") and len(png) > 10_000
     assert "gpu-open-loop.png" in capsys.readouterr().out
-    # only closed loops: the open-loop plot is not drawn (nor left over from an earlier call)
+    # only closed loops: the open-loop plot is not drawn
     only_closed = tmp_path / "closed"
-    assert main(["report", summary("engine", "greedy", False), "--png", str(only_closed)]) == 0
-    assert (
-        Path(f"{only_closed}-closed-loop.png").exists() and not Path(f"{only_closed}-open-loop.png").exists()
-    )
+    assert draw(only_closed, summary("engine", "greedy", False)) == 0
+    assert Path(f"{only_closed}-closed-loop.png").exists()
+    assert not Path(f"{only_closed}-open-loop.png").exists()
     with pytest.raises(SystemExit) as refused:
-        main(
-            [
-                "report",
-                summary("engine", "greedy", False),
-                summary("engine", "text", False),
-                "--png",
-                str(prefix),
-            ]
-        )
+        draw(prefix, summary("engine", "greedy", False), summary("engine", "text", False))
     assert refused.value.code == 2 and "differ in workload" in capsys.readouterr().err
