@@ -90,7 +90,8 @@ def propose_budgets(
         higher = metric_direction(field) == "higher"
         worst = _spread(ours, field, low=higher) / _spread(theirs, field, low=not higher)
         scaled = worst / margin if higher else worst * margin
-        proposed = math.floor(scaled * 100) / 100 if higher else math.ceil(scaled * 100) / 100
+        hundredths = round(scaled * 100, 6)  # 0.57 stays 0.57 (as 56.99999999999999 it would floor to 0.56)
+        proposed = (math.floor(hundredths) if higher else math.ceil(hundredths)) / 100
         budget = budget_for(section, metric, key)
         proposals.append(
             Proposal(

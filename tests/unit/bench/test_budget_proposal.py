@@ -136,6 +136,10 @@ def test_modes_are_read_against_their_own_section_and_never_mixed(budgets_file):
     text_vllm = summary("vllm", "text", closed_loop=[dict(level, output_tok_s=1000.0)])
     (proposal,) = propose_budgets(text_engine, text_vllm, load_budgets(budgets_file), 1.3)
     assert proposal.current == 1.0 and proposal.action == "raise to 1.15"
+    # a ratio that lands on a hundredth in decimal stays there (float products would nudge it off)
+    exact = summary("engine", "text", closed_loop=[dict(level, output_tok_s=741.0)])  # 0.741 / 1.3 = 0.57
+    (on_the_mark,) = propose_budgets(exact, text_vllm, load_budgets(budgets_file), 1.3)
+    assert on_the_mark.proposed == 0.57
     with pytest.raises(ValueError, match="differ in mode"):
         propose_budgets(text_engine, summary("vllm", closed_loop=[level]), load_budgets(budgets_file), 1.3)
     with pytest.raises(ValueError, match="margin under 1"):
