@@ -1,7 +1,8 @@
 """Several choices a prompt (`n`), through the API: each choice is a request of its own in the engine,
 numbered prompt x n + j as OpenAI's and vLLM's servers number them; with a seed, choice j draws as a
 request alone with seed + j would (vLLM's rule), so the choices differ and each is reproducible; usage
-counts each prompt once and every choice's tokens; a disconnect frees every choice's blocks.
+counts each prompt once and every choice's tokens; a disconnect frees every choice's blocks; two API
+processes give the same choices.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from server_testing import MODEL_NAME, LiveServer, metric, wait_for_metric
+from server_testing import MODEL_NAME, LiveServer, ServerProcess, metric, parse_metrics, wait_for_metric
 
 from engine.sampling_params import choice_seed
 from server.protocol import MAX_CHOICES
@@ -146,3 +147,20 @@ async def test_the_openai_client_gets_its_n_choices(live_server: Callable[..., L
             model=MODEL_NAME, prompt=["a", "b"], max_tokens=2, n=2, extra_body={"ignore_eos": True}
         )
         assert [c.index for c in completion.choices] == [0, 1, 2, 3]
+
+
+def test_two_api_processes_give_the_same_choices(start_server: Callable[..., ServerProcess]) -> None:
+    # Whichever API process takes the connection, the core draws each choice with its own seed.
+    server = start_server("--api-server-count", "2")
+    body = {**SAMPLED, "prompt": PROMPTS[0], "n": 3, "seed": 21}
+    answers = []
+    for _ in range(6):  # new connections: each lands on either process
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            response = client.post(COMPLETION, json=body)
+            assert response.status_code == 200, response.text
+            answers.append([c["text"] for c in response.json()["choices"]])
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            metrics = parse_metrics(client.get("/metrics").text)
+        assert metrics["server_requests_pending"] == 0 and metrics["engine_kv_blocks_used"] == 0
+    assert all(answer == answers[0] for answer in answers) and len(set(answers[0])) == 3
+    assert metrics['engine_request_success_total{finished_reason="length"}'] == 18
