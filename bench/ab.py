@@ -38,13 +38,12 @@ from bench.profiles import Profile, seed_mix
 from bench.results import json_safe
 from bench.runner import run_closed_loop, run_sweep, sweep_failures
 from bench.trials import (
-    CLIENT_LOAD_KEYS,
-    CLOSED_LOOP_KEYS,
     GREEDY,
-    OPEN_LOOP_KEYS,
+    closed_level,
     sampling_header,
     summarize_trials,
     summary_name,
+    sweep_trial,
 )
 from bench.workload import WorkloadSpec
 
@@ -110,33 +109,19 @@ def remove_worktree(repo: str | Path, folder: Path) -> None:
 
 def measure(endpoint: Endpoint, workload: WorkloadSpec, profile: Profile) -> dict[str, Any]:
     """One trial against a warm server: the profile's sweep (if any) and its closed loops, in the
-    shapes bench.trials.summarize_trials folds, and the failed requests' descriptions. Each level
-    keeps the client's own load (CLIENT_LOAD_KEYS), so a side whose figures the client capped shows it."""
+    shapes bench.trials.summarize_trials folds (bench.trials.sweep_trial, closed_level: each level with
+    the client's own load, so a side whose figures the client capped shows it), and the failed
+    requests' descriptions."""
     trial: dict[str, Any] = {"sweep": None, "closed": [], "failed": []}
     if profile.sweep is not None:
         result = run_sweep(endpoint, workload, profile.sweep_load, profile.sweep)
         failures, _turned_away = sweep_failures(result)  # 429/503 past saturation is load shedding
         trial["failed"] += failures
-        trial["sweep"] = {
-            "capacity_req_s": result.capacity_req_s,
-            "capacity_still_rising": result.capacity_still_rising,
-            "levels": [
-                {
-                    "rate": level.summary["rate"],
-                    **{k: level.summary[k] for k in (*OPEN_LOOP_KEYS, *CLIENT_LOAD_KEYS)},
-                }
-                for level in result.levels
-            ],
-        }
+        trial["sweep"] = sweep_trial(result)
     for concurrency in profile.concurrencies:
         level = run_closed_loop(endpoint, workload, concurrency, profile.closed_load)
         trial["failed"] += [f"concurrency {concurrency}: {line}" for line in describe_failures(level.rows)]
-        trial["closed"].append(
-            {
-                "concurrency": concurrency,
-                **{k: level.summary[k] for k in (*CLOSED_LOOP_KEYS, *CLIENT_LOAD_KEYS)},
-            }
-        )
+        trial["closed"].append(closed_level(concurrency, level.summary))
     return trial
 
 

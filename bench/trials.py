@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench.metrics import STEP_TIMING
 from bench.server_metrics import FIRST_TOKEN_KEYS, KERNEL_COMPILES_KEY
 from bench.workload import SAMPLED
+
+if TYPE_CHECKING:
+    from bench.runner import SweepResult
 
 # The sampling modes the seed-mix workload is measured in, each as WorkloadSpec's temperature and top_p:
 # greedy, as every stored baseline before them was measured, and sampled, what a typical chat client
@@ -82,6 +85,25 @@ OFFLINE_KEYS = (
     "single_tpot_s",
     "prefill_tok_s",
 )
+
+
+def sweep_trial(result: SweepResult) -> dict[str, Any]:
+    """One sweep as a trial records it (what summarize_trials folds): capacity, whether it was still
+    rising, and each level's OPEN_LOOP_KEYS with the client's load beside them."""
+    keys = (*OPEN_LOOP_KEYS, *CLIENT_LOAD_KEYS)
+    return {
+        "capacity_req_s": result.capacity_req_s,
+        "capacity_still_rising": result.capacity_still_rising,
+        "levels": [
+            {"rate": level.summary["rate"], **{k: level.summary[k] for k in keys}} for level in result.levels
+        ],
+    }
+
+
+def closed_level(concurrency: int, summary: Mapping[str, Any]) -> dict[str, Any]:
+    """One closed-loop level as a trial records it: CLOSED_LOOP_KEYS and the client's load (a case
+    adds its own optional figures beside them)."""
+    return {"concurrency": concurrency, **{k: summary[k] for k in (*CLOSED_LOOP_KEYS, *CLIENT_LOAD_KEYS)}}
 
 
 def summary_name(stem: str, mode: str) -> str:

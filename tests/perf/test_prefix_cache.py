@@ -20,10 +20,10 @@ from bench.metrics import describe_failures
 from bench.prefix import run_fresh_level
 from bench.profiles import prefix_workload
 from bench.trials import (
-    CLIENT_LOAD_KEYS,
     CLOSED_LOOP_KEYS,
     OPTIONAL_CLOSED_LOOP_KEYS,
     PREFIX_CACHE_KEYS,
+    closed_level,
     fold_levels,
 )
 
@@ -46,8 +46,7 @@ def test_prefix_cache(benchmark, cached_server, target, mode, profile, concurren
         summary = result.summary
         trials.append(
             {
-                "concurrency": concurrency,
-                **{key: summary[key] for key in (*CLOSED_LOOP_KEYS, *CLIENT_LOAD_KEYS)},
+                **closed_level(concurrency, summary),
                 **{key: summary[key] for key in PREFIX_CACHE_KEYS if key in summary},
             }
         )

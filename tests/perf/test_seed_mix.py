@@ -16,11 +16,11 @@ from bench.metrics import describe_failures
 from bench.runner import run_closed_loop, run_sweep, sweep_failures
 from bench.server_metrics import level_figures, level_names, read_settled_totals
 from bench.trials import (
-    CLIENT_LOAD_KEYS,
     CLOSED_LOOP_KEYS,
-    OPEN_LOOP_KEYS,
     OPTIONAL_CLOSED_LOOP_KEYS,
+    closed_level,
     fold_levels,
+    sweep_trial,
 )
 
 pytestmark = pytest.mark.perf
@@ -38,17 +38,7 @@ def test_open_loop_sweep(benchmark, server, target, mode, workload, profile, swe
         failed.extend(failures)
         shed.extend(turned_away)
         warned.extend(note for level in result.levels for note in level.warnings)
-        keys = (*OPEN_LOOP_KEYS, *CLIENT_LOAD_KEYS)
-        levels = [
-            {"rate": level.summary["rate"], **{k: level.summary[k] for k in keys}} for level in result.levels
-        ]
-        trials.append(
-            {
-                "capacity_req_s": result.capacity_req_s,
-                "capacity_still_rising": result.capacity_still_rising,
-                "levels": levels,
-            }
-        )
+        trials.append(sweep_trial(result))
 
     benchmark.pedantic(trial, rounds=perf.trials, iterations=1)
     record = recorder.record(target, mode)
@@ -89,13 +79,7 @@ def test_closed_loop(benchmark, server, target, mode, workload, profile, concurr
         after = read_settled_totals(server.endpoint, level_names())
         failed.extend(describe_failures(result.rows))
         warned.extend(result.warnings)
-        trials.append(
-            {
-                "concurrency": concurrency,
-                **{k: result.summary[k] for k in (*CLOSED_LOOP_KEYS, *CLIENT_LOAD_KEYS)},
-                **level_figures(before, after),
-            }
-        )
+        trials.append({**closed_level(concurrency, result.summary), **level_figures(before, after)})
         if result.summary.get("prompt_tokens_mismatched"):
             noted.append(prompt_tokens_note(result.summary))
         if result.summary.get("no_text"):
