@@ -139,11 +139,12 @@ class _Server:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", "model")
 
-    def check_admission(self, count: int, param: str = "prompt") -> None:
-        """Fail fast, before tokenizing, on what this process knows; the core, which sees every API
-        process's requests, decides when `submit` sends them."""
+    def check_admission(self, prompts: int, n: int) -> None:
+        """Fail fast, before tokenizing, on what this process knows of `prompts` x `n` requests (a
+        batch that could never fit is a 400 naming `n` where n > 1, else the prompt); the core, which
+        sees every API process's requests, decides when `submit` sends them."""
         try:
-            self.async_engine.check_admission(count, param)
+            self.async_engine.check_admission(prompts * n, "n" if n > 1 else "prompt")
         except AdmissionError as error:
             raise self._rejected(error) from error
 
@@ -315,7 +316,7 @@ def create_app(
         server.check_model(body.model)
         body.check_supported()
         prompts = body.prompts()
-        server.check_admission(len(prompts) * body.choices, "n" if body.choices > 1 else "prompt")
+        server.check_admission(len(prompts), body.choices)
         params = body.sampling_params(
             DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         )
@@ -335,7 +336,7 @@ def create_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         server.check_model(body.model)
         body.check_supported()
-        server.check_admission(body.choices, "n")
+        server.check_admission(1, body.choices)
         prompt = render_chat(tokenizer, body.messages, body.add_generation_prompt)
         max_tokens = body.requested_max_tokens
         params = body.sampling_params(1 if max_tokens is None else max_tokens)
