@@ -311,7 +311,14 @@ HIGHER_IS_BETTER = frozenset(
 )
 LOWER_IS_BETTER = frozenset(
     {f"{name}_{stat}_s" for name in LATENCY_METRICS for stat in STAT_NAMES}
-    | {"send_lag_p99_s", "failures", "client_loop_lag_p99_s", "single_ttft_s", "single_tpot_s"}
+    | {
+        "send_lag_p99_s",
+        "failures",
+        "client_loop_lag_p99_s",
+        "client_loop_lag_max_s",
+        "single_ttft_s",
+        "single_tpot_s",
+    }
 )
 # Offline step timing (`bench offline`): `step_ms`, the mean wall time of one step, and the engine's
 # phases, `step_<phase>_ms` (engine.step_timing): lower is better, whatever phases the engine names.

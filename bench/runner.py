@@ -31,7 +31,7 @@ from bench.metrics import (
     is_rejection,
     summarize,
 )
-from bench.selfcheck import ClientLoad, ClientMonitor
+from bench.selfcheck import ClientLoad, ClientMonitor, full_collections_held
 from bench.workload import Arrival, Request, WorkloadSpec, arrival_offsets, make_request
 
 T = TypeVar("T")
@@ -302,6 +302,7 @@ def _run_level(
         "workers": len(shares),
         **summarize(rows, load.slo),
         "client_loop_lag_p99_s": worst.loop_lag_p99_s,
+        "client_loop_lag_max_s": worst.loop_lag_max_s,
         "client_cpu_util": worst.cpu_util,
     }
     notes = worst.warnings()
@@ -393,40 +394,43 @@ async def _drive(
 
     make_request(workload, share.start)  # first call pays for lazy set-up (dataset file, numpy); not timed
     _prebuild(workload, share)
-    async with make_http_client(endpoint) as http:
-        clock_zero, start = await start_signal()
+    with full_collections_held():  # no full collection stalls the loop mid-level (bench.selfcheck)
+        async with make_http_client(endpoint) as http:
+            clock_zero, start = await start_signal()
 
-        async def send(request: Request, due: float) -> None:
-            row = RequestRow(
-                endpoint.target, level.mode, level.rate, level.concurrency, workload.seed, request.index,
-                request.index < warmup, request.prompt_len, request.max_tokens, due - clock_zero, math.nan,
-                worker=share.worker,
-            )  # fmt: skip
-            rows.append(row)
-            await send_request(http, endpoint, request, row, clock_zero)
-            on_done(1)
+            async def send(request: Request, due: float) -> None:
+                row = RequestRow(
+                    endpoint.target, level.mode, level.rate, level.concurrency, workload.seed, request.index,
+                    request.index < warmup, request.prompt_len, request.max_tokens, due - clock_zero, math.nan,
+                    worker=share.worker,
+                )  # fmt: skip
+                rows.append(row)
+                await send_request(http, endpoint, request, row, clock_zero)
+                on_done(1)
 
-        async def slot() -> None:
-            for index in indices:
-                due = time.monotonic()
-                if deadline_s is not None and due - start >= deadline_s:
-                    return
-                await send(make_request(workload, index), due)
+            async def slot() -> None:
+                for index in indices:
+                    due = time.monotonic()
+                    if deadline_s is not None and due - start >= deadline_s:
+                        return
+                    await send(make_request(workload, index), due)
 
-        async with ClientMonitor() as monitor:
-            await asyncio.sleep(max(0.0, start - time.monotonic()))
-            if share.offsets is not None:
-                tasks = []
-                for index, offset in zip(indices, share.offsets, strict=False):
-                    request = make_request(workload, index)  # built before its time, so it cannot delay it
-                    due = start + offset
-                    await asyncio.sleep(max(0.0, due - time.monotonic()))
-                    tasks.append(asyncio.create_task(send(request, due)))
-                await asyncio.gather(*tasks)
-            else:
-                await asyncio.gather(*(slot() for _ in range(share.slots)))
-    assert monitor.result is not None
-    return rows, monitor.result
+            async with ClientMonitor() as monitor:
+                await asyncio.sleep(max(0.0, start - time.monotonic()))
+                if share.offsets is not None:
+                    tasks = []
+                    for index, offset in zip(indices, share.offsets, strict=False):
+                        request = make_request(
+                            workload, index
+                        )  # built before its time, so it cannot delay it
+                        due = start + offset
+                        await asyncio.sleep(max(0.0, due - time.monotonic()))
+                        tasks.append(asyncio.create_task(send(request, due)))
+                    await asyncio.gather(*tasks)
+                else:
+                    await asyncio.gather(*(slot() for _ in range(share.slots)))
+        assert monitor.result is not None
+        return rows, monitor.result
 
 
 def _prebuild(workload: WorkloadSpec, share: _Share) -> None:

@@ -1,28 +1,41 @@
-"""The client watching itself: event-loop lag and process CPU use during a level.
+"""The client watching itself: event-loop lag and process CPU use during a level, and keeping its
+loop on time.
 
 The runner starts a `ClientMonitor` around each level in every client process; if the loop oversleeps
-or the process is near a full core, the timestamps it took may be late, and the run says so.
+or the process is near a full core, the timestamps it took may be late, and the run says so. Each
+level runs with the garbage collector's full collections held off (`full_collections_held`): with a
+thousand streams waiting on a saturated server, one full collection stalls the loop for 50-300 ms, and
+every request due in that time goes out late.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from bench.metrics import percentile
 
 LOOP_LAG_WARN_S = 0.010
+LOOP_STALL_WARN_S = 0.050
 CPU_UTIL_WARN = 0.9
+# The third generation's threshold while a level runs: never reached (a full collection runs once
+# this many second-generation collections have passed).
+HELD_FULL_THRESHOLD = 1 << 30
 
 
 @dataclass(frozen=True)
 class ClientLoad:
-    """loop_lag_p99_s: p99 of how much a short sleep overslept; cpu_util: CPU seconds / wall seconds."""
+    """loop_lag_p99_s: p99 of how much a short sleep overslept; loop_lag_max_s: the longest oversleep
+    (one stall, rare enough for the p99 to hide, still makes every request due in it late);
+    cpu_util: CPU seconds / wall seconds."""
 
     loop_lag_p99_s: float
     cpu_util: float
+    loop_lag_max_s: float = 0.0
 
     def warnings(self) -> list[str]:
         notes = []
@@ -30,6 +43,11 @@ class ClientLoad:
             notes.append(
                 f"client event-loop lag p99 {self.loop_lag_p99_s * 1e3:.1f} ms > {LOOP_LAG_WARN_S * 1e3:.0f} ms:"
                 " timestamps may be late; try --workers"
+            )
+        if self.loop_lag_max_s > LOOP_STALL_WARN_S:
+            notes.append(
+                f"client event loop stalled {self.loop_lag_max_s * 1e3:.0f} ms at worst"
+                f" (> {LOOP_STALL_WARN_S * 1e3:.0f} ms): requests due then went out late"
             )
         if self.cpu_util > CPU_UTIL_WARN:
             notes.append(
@@ -41,7 +59,11 @@ class ClientLoad:
     @staticmethod
     def worst(loads: list[ClientLoad]) -> ClientLoad:
         """Across worker processes, the busiest one speaks for the run."""
-        return ClientLoad(max(x.loop_lag_p99_s for x in loads), max(x.cpu_util for x in loads))
+        return ClientLoad(
+            max(x.loop_lag_p99_s for x in loads),
+            max(x.cpu_util for x in loads),
+            max(x.loop_lag_max_s for x in loads),
+        )
 
 
 class ClientMonitor:
@@ -73,4 +95,27 @@ class ClientMonitor:
         wall = time.monotonic() - self._wall0
         cpu = time.process_time() - self._cpu0
         lag = percentile(self.lags, 99) if self.lags else 0.0
-        self.result = ClientLoad(loop_lag_p99_s=lag, cpu_util=cpu / wall if wall > 0 else 0.0)
+        self.result = ClientLoad(
+            loop_lag_p99_s=lag,
+            cpu_util=cpu / wall if wall > 0 else 0.0,
+            loop_lag_max_s=max(self.lags, default=0.0),
+        )
+
+
+@contextlib.contextmanager
+def full_collections_held() -> Iterator[None]:
+    """Collect everything now, then hold off the collector's full (third-generation) collections
+    until the block ends, and collect again after it.
+
+    A full collection walks every tracked object: with a level's rows and a thousand open streams,
+    50-300 ms during which the loop neither sends nor stamps. The young generations still run (a few
+    ms each) and free the per-request cycles that die young; what lives longer waits for the
+    collection at the end, memory a level can spare."""
+    gc.collect()
+    thresholds = gc.get_threshold()
+    gc.set_threshold(thresholds[0], thresholds[1], HELD_FULL_THRESHOLD)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.collect()

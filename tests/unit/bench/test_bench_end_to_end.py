@@ -7,6 +7,7 @@ project's code; the module runs in the serial invocation, so no other test worke
 """
 
 import asyncio
+import gc
 import time
 from collections import Counter
 
@@ -18,7 +19,7 @@ from bench.fake_server import FakeServerConfig, FakeServerProcess
 from bench.metrics import Slo
 from bench.probe import check_streaming
 from bench.runner import LevelResult, LoadConfig, SweepConfig, run_closed_loop, run_open_loop, run_sweep
-from bench.selfcheck import ClientMonitor
+from bench.selfcheck import ClientLoad, ClientMonitor, full_collections_held
 from bench.workload import WorkloadSpec
 
 TTFT, ITL, SLOTS, TOKENS = 0.1, 0.01, 4, 20
@@ -212,3 +213,59 @@ def test_monitor_sees_a_blocked_loop():
     assert load_seen.loop_lag_p99_s >= 0.04
     assert load_seen.cpu_util < 0.5  # sleeping is not CPU
     assert any("loop lag" in note for note in load_seen.warnings())
+
+
+def test_monitor_sees_one_stall_the_p99_hides():
+    """One 80 ms stall among hundreds of quick ticks: the p99 stays small, the max and its warning do not
+    (every request due in those 80 ms would have gone out late)."""
+
+    async def one_stall():
+        async with ClientMonitor(interval_s=0.002) as monitor:
+            await asyncio.sleep(0.5)
+            time.sleep(0.08)
+            await asyncio.sleep(0.5)
+        return monitor.result
+
+    load_seen = asyncio.run(one_stall())
+    assert load_seen.loop_lag_p99_s < 0.04 <= 0.07 <= load_seen.loop_lag_max_s
+    assert any("stalled" in note for note in load_seen.warnings())
+    assert ClientLoad.worst([load_seen, ClientLoad(0.0, 0.0)]).loop_lag_max_s == load_seen.loop_lag_max_s
+
+
+def _collections_while(make_garbage) -> Counter:
+    """How many collections of each generation the collector ran while `make_garbage` ran."""
+    seen: Counter = Counter()
+
+    def watch(phase: str, info: dict) -> None:
+        if phase == "start":
+            seen[info["generation"]] += 1
+
+    gc.callbacks.append(watch)
+    try:
+        make_garbage()
+    finally:
+        gc.callbacks.remove(watch)
+    return seen
+
+
+def test_a_level_runs_with_full_collections_held_and_collects_after():
+    """bench.selfcheck.full_collections_held: long-lived objects by the hundred thousand (a level's rows
+    and open streams) set off full collections, each a stall of the client's loop; held, none runs
+    until the block ends, the young generations still free short-lived cycles, and the collector's
+    settings come back as they were."""
+
+    def make_garbage() -> None:
+        kept = []
+        for _ in range(300_000):
+            cycle: list = []
+            cycle.append(cycle)  # a short-lived cycle: the young generations free it
+            kept.append({"row": [1.0]})  # long-lived: promoted to the oldest generation
+        kept.clear()
+
+    before = gc.get_threshold()
+    assert _collections_while(make_garbage)[2] >= 1  # without the hold: what the test looks for happens
+    with full_collections_held():
+        assert gc.get_threshold()[:2] == before[:2] and gc.get_threshold()[2] > before[2]
+        held = _collections_while(make_garbage)
+        assert held[2] == 0 and held[0] >= 100 and held[1] >= 10
+    assert gc.get_threshold() == before
