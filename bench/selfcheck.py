@@ -4,8 +4,8 @@ loop on time.
 The runner starts a `ClientMonitor` around each level in every client process; if the loop oversleeps
 or the process is near a full core, the timestamps it took may be late, and the run says so. Each
 level runs with the garbage collector's full collections held off (`full_collections_held`): with a
-thousand streams waiting on a saturated server, one full collection stalls the loop for 50-300 ms, and
-every request due in that time goes out late.
+thousand streams waiting on a saturated server, one full collection stalls the loop for tens to
+hundreds of milliseconds, and every request due in that time goes out late.
 """
 
 from __future__ import annotations
@@ -108,7 +108,8 @@ def full_collections_held() -> Iterator[None]:
     until the block ends, and collect again after it.
 
     A full collection walks every tracked object: with a level's rows and a thousand open streams,
-    50-300 ms during which the loop neither sends nor stamps. The young generations still run (a few
+    50-125 ms on a 2-core host (and send lags of 200-300 ms on a GPU host's saturated levels), during
+    which the loop neither sends nor stamps. The young generations still run (a few
     ms each) and free the per-request cycles that die young; what lives longer waits for the
     collection at the end, memory a level can spare."""
     gc.collect()
