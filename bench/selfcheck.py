@@ -111,7 +111,8 @@ def full_collections_held() -> Iterator[None]:
     50-125 ms on a 2-core host (and send lags of 200-300 ms on a GPU host's saturated levels), during
     which the loop neither sends nor stamps. The young generations still run (a few
     ms each) and free the per-request cycles that die young; what lives longer waits for the
-    collection at the end, memory a level can spare."""
+    collection at the end, memory a level can spare. An incremental collector (one that ignores the
+    third threshold) bounds its pauses itself: there the hold changes nothing but the two collections."""
     gc.collect()
     thresholds = gc.get_threshold()
     gc.set_threshold(thresholds[0], thresholds[1], HELD_FULL_THRESHOLD)
