@@ -315,7 +315,7 @@ LOWER_IS_BETTER = frozenset(
         "send_lag_p99_s",
         "failures",
         "client_loop_lag_p99_s",
-        "client_loop_lag_max_s",
+        "client_loop_stall_s",
         "single_ttft_s",
         "single_tpot_s",
     }

@@ -43,7 +43,7 @@ OPEN_COLUMNS = [
     ("send_lag_p99_s", "send lag p99 ms", "ms"),
     ("failures", "failures", "count"),
     ("client_loop_lag_p99_s", "client loop lag p99 ms", "ms"),
-    ("client_loop_lag_max_s", "client loop lag max ms", "ms"),
+    ("client_loop_stall_s", "client loop stall ms", "ms"),
     ("client_cpu_util", "client CPU", "percent"),
 ]
 CLOSED_COLUMNS = [("concurrency", "concurrency", "count")] + [c for c in OPEN_COLUMNS if c[0] != "rate"]

@@ -302,7 +302,7 @@ def _run_level(
         "workers": len(shares),
         **summarize(rows, load.slo),
         "client_loop_lag_p99_s": worst.loop_lag_p99_s,
-        "client_loop_lag_max_s": worst.loop_lag_max_s,
+        "client_loop_stall_s": worst.loop_stall_s,
         "client_cpu_util": worst.cpu_util,
     }
     notes = worst.warnings()

@@ -29,13 +29,13 @@ HELD_FULL_THRESHOLD = 1 << 30
 
 @dataclass(frozen=True)
 class ClientLoad:
-    """loop_lag_p99_s: p99 of how much a short sleep overslept; loop_lag_max_s: the longest oversleep
+    """loop_lag_p99_s: p99 of how much a short sleep overslept; loop_stall_s: the longest oversleep
     (one stall, rare enough for the p99 to hide, still makes every request due in it late);
     cpu_util: CPU seconds / wall seconds."""
 
     loop_lag_p99_s: float
     cpu_util: float
-    loop_lag_max_s: float = 0.0
+    loop_stall_s: float = 0.0
 
     def warnings(self) -> list[str]:
         notes = []
@@ -44,9 +44,9 @@ class ClientLoad:
                 f"client event-loop lag p99 {self.loop_lag_p99_s * 1e3:.1f} ms > {LOOP_LAG_WARN_S * 1e3:.0f} ms:"
                 " timestamps may be late; try --workers"
             )
-        if self.loop_lag_max_s > LOOP_STALL_WARN_S:
+        if self.loop_stall_s > LOOP_STALL_WARN_S:
             notes.append(
-                f"client event loop stalled {self.loop_lag_max_s * 1e3:.0f} ms at worst"
+                f"client event loop stalled {self.loop_stall_s * 1e3:.0f} ms at worst"
                 f" (> {LOOP_STALL_WARN_S * 1e3:.0f} ms): requests due then went out late"
             )
         if self.cpu_util > CPU_UTIL_WARN:
@@ -62,7 +62,7 @@ class ClientLoad:
         return ClientLoad(
             max(x.loop_lag_p99_s for x in loads),
             max(x.cpu_util for x in loads),
-            max(x.loop_lag_max_s for x in loads),
+            max(x.loop_stall_s for x in loads),
         )
 
 
@@ -98,7 +98,7 @@ class ClientMonitor:
         self.result = ClientLoad(
             loop_lag_p99_s=lag,
             cpu_util=cpu / wall if wall > 0 else 0.0,
-            loop_lag_max_s=max(self.lags, default=0.0),
+            loop_stall_s=max(self.lags, default=0.0),
         )
 
 

@@ -50,9 +50,9 @@ CASE_MODES: tuple[str, ...] = (*SAMPLING_MODES, *PROMPT_MODES, *PREFIX_MODES)
 # The client's own load over a level (bench.selfcheck, the busiest client process's): a client whose
 # event loop lags sends late and stamps late, and at the highest levels one process can be the limit;
 # and how late its requests went out (an open loop's send lag: one stall of the loop, rare enough for
-# the lag's p99 to hide, shows here and in the lag's max). Recorded so that a level's figures say
+# the lag's p99 to hide, shows here and in the longest stall). Recorded so that a level's figures say
 # whether the client kept up; summaries stored before lack them (before 2026-12-07, the last two).
-CLIENT_LOAD_KEYS = ("client_loop_lag_p99_s", "client_cpu_util", "client_loop_lag_max_s", "send_lag_p99_s")
+CLIENT_LOAD_KEYS = ("client_loop_lag_p99_s", "client_cpu_util", "client_loop_stall_s", "send_lag_p99_s")
 # Closed-loop figures a case may add to CLOSED_LOOP_KEYS (folded where a trial has them): the prefix
 # cache's hit rate, the server's own parts of the time to first token, the kernel variants it
 # compiled (bench.server_metrics) and the client's load.

@@ -56,7 +56,9 @@ def test_run_writes_the_run_folder(run_dir):
             "tpot_mean_s",
         ):
             assert level[key] > 0
-        assert {"send_lag_p99_s", "client_loop_lag_p99_s", "client_loop_lag_max_s", "client_cpu_util"} <= set(level)
+        assert {"send_lag_p99_s", "client_loop_lag_p99_s", "client_loop_stall_s", "client_cpu_util"} <= set(
+            level
+        )
 
     with (run_dir / "requests.csv").open() as handle:
         records = list(csv.DictReader(handle))
