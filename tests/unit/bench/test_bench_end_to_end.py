@@ -264,8 +264,8 @@ def _third_threshold_counts() -> bool:
 def test_a_level_runs_with_full_collections_held_and_collects_after():
     """bench.selfcheck.full_collections_held: long-lived objects by the hundred thousand (a level's rows
     and open streams) set off full collections, each a stall of the client's loop; held, none runs
-    until the block ends, the young generations still free short-lived cycles, and the collector's
-    settings come back as they were."""
+    until the block ends, the young generations still free short-lived cycles, the one held off runs
+    as the block ends, and the collector's settings come back as they were."""
 
     def make_garbage() -> None:
         kept = []
@@ -288,6 +288,16 @@ def test_a_level_runs_with_full_collections_held_and_collects_after():
             assert gc.get_threshold()[:2] == before[:2] and gc.get_threshold()[2] > before[2]
             held = _collections_while(make_garbage)
             assert held[2] == 0 and held[0] >= 100 and held[1] >= 10
+            assert gc.get_count()[2] > before[2]  # a full collection came due while held
         assert gc.get_threshold() == before
+        assert gc.get_count()[2] <= before[2]  # and ran as the block ended
+
+        def short_level() -> None:
+            with full_collections_held():
+                pass
+
+        # a level too short for one to come due: none runs before or after it (~0.1 s each over a heap
+        # with torch loaded, and the tests run hundreds of short levels)
+        assert _collections_while(short_level)[2] == 0
     finally:
         gc.unfreeze()
