@@ -420,9 +420,8 @@ async def _drive(
                 if share.offsets is not None:
                     tasks = []
                     for index, offset in zip(indices, share.offsets, strict=False):
-                        request = make_request(
-                            workload, index
-                        )  # built before its time, so it cannot delay it
+                        # built before its time, so it cannot delay it
+                        request = make_request(workload, index)
                         due = start + offset
                         await asyncio.sleep(max(0.0, due - time.monotonic()))
                         tasks.append(asyncio.create_task(send(request, due)))
