@@ -28,11 +28,10 @@ from bench.budgets import (
     Budgets,
     budget_for,
     budget_section,
-    known_figure,
     level_name,
     match_level,
 )
-from bench.metrics import metric_direction
+from bench.metrics import known_figure, metric_direction
 from bench.trials import case_mode
 
 DEFAULT_MARGIN = 1.3

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.metrics import metric_direction
+from bench.metrics import known_figure, metric_direction
 from bench.trials import CASE_MODES, GREEDY
 
 # Offline budgets (`bench offline`): name in the budget file -> the offline figure it holds. Output
@@ -339,8 +339,3 @@ def may_store_baseline(checks: list[BudgetCheck], failed_cases: int, force: bool
         what = f"{len(failed)} budget check(s) failed" if failed else f"{failed_cases} case(s) failed"
         return f"not stored: {what}; fix it, or store anyway with --force"
     return None
-
-
-def known_figure(value: Any) -> bool:
-    """A figure a summary holds: present and not NaN (a figure never measured is stored as NaN)."""
-    return value is not None and not math.isnan(float(value))

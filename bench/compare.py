@@ -21,7 +21,7 @@ from typing import Any
 
 from scipy import stats
 
-from bench.metrics import STEP_TIMING, metric_direction
+from bench.metrics import STEP_TIMING, known_figure, metric_direction
 from bench.results import Result, level_key, load_result
 from bench.trials import GREEDY, describe_prompts, describe_sampling, sampling_settings
 
@@ -537,10 +537,7 @@ def _figure(figures: Mapping[str, Any], metric: str, result: Result) -> Figure:
 
 def _number(value: Any) -> float | None:
     """A float, or None for a missing or NaN value."""
-    if value is None:
-        return None
-    number = float(value)
-    return None if math.isnan(number) else number
+    return float(value) if known_figure(value) else None
 
 
 def _row(level: str, metric: str, base: Figure, new: Figure, limit: float | None) -> ComparisonRow:

@@ -9,6 +9,7 @@ perf tier both read it.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -324,6 +325,12 @@ LOWER_IS_BETTER = frozenset(
 # phases, `step_<phase>_ms` (engine.step_timing): lower is better, whatever phases the engine names.
 STEP_TIMING = re.compile(r"^step(_[a-z]+)?_ms$")
 _SPREAD = re.compile(r"_(min|max)(_|$)")
+
+
+def known_figure(value: object) -> bool:
+    """A figure a summary holds: a number, not NaN (a figure never measured is left out or stored as
+    NaN). The one test of it for folding trials, budgets, comparisons and the offline lines."""
+    return isinstance(value, numbers.Real) and not math.isnan(value)
 
 
 def metric_direction(key: str) -> Literal["higher", "lower"] | None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import platform
 import signal
@@ -28,7 +27,7 @@ from typing import Any
 from bench import slowdown
 from bench.launch import MAX_MODEL_LEN, sourcing, vllm_env_file, vllm_unavailable_reason
 from bench.machine import describe_machine
-from bench.metrics import STEP_TIMING, RequestRow, probe_figures, summarize
+from bench.metrics import STEP_TIMING, RequestRow, known_figure, probe_figures, summarize
 from bench.suite import RUN_FORMAT
 from bench.workload import WorkloadSpec
 
@@ -255,7 +254,7 @@ def describe_entry(key: str, entry: Mapping[str, Any]) -> str:
     """One line for the terminal, from a run's entry or a perf summary's (median) one."""
 
     def ms(value: Any) -> str:
-        return "-" if _missing(value) else f"{value * 1e3:.2f} ms"
+        return f"{value * 1e3:.2f} ms" if known_figure(value) else "-"
 
     if key == "probes":
         parts = []
@@ -271,12 +270,12 @@ def describe_entry(key: str, entry: Mapping[str, Any]) -> str:
     phases = ", ".join(
         f"{name.removeprefix('step_').removesuffix('_ms')} {value:.2f}"
         for name, value in entry.items()
-        if name != "step_ms" and STEP_TIMING.match(name) and not _missing(value)
+        if name != "step_ms" and STEP_TIMING.match(name) and known_figure(value)
     )
     steps = f"{entry['steps']} steps of " if "steps" in entry else "step "
     step = f"{steps}{_number(entry.get('step_ms'))} ms" + (f" ({phases})" if phases else "")
     hit_rate = entry.get("prefix_cache_hit_rate")
-    hits = "" if _missing(hit_rate) else f"; prefix cache hit rate {hit_rate:.3f}"
+    hits = f"; prefix cache hit rate {hit_rate:.3f}" if known_figure(hit_rate) else ""
     return (
         f"{key}: {count}{_number(entry.get('served_req_s'))} req/s, "
         f"{_number(entry.get('output_tok_s'))} output tok/s, TTFT p50 {ms(entry.get('ttft_p50_s'))}, "
@@ -284,12 +283,8 @@ def describe_entry(key: str, entry: Mapping[str, Any]) -> str:
     )
 
 
-def _missing(value: Any) -> bool:
-    return value is None or (isinstance(value, float) and math.isnan(value))
-
-
 def _number(value: Any) -> str:
-    if _missing(value):
+    if not known_figure(value):
         return "-"
     return f"{value:,.2f}" if abs(value) < 100 else f"{value:,.0f}"
 

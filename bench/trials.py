@@ -13,7 +13,7 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from bench.metrics import STEP_TIMING
+from bench.metrics import STEP_TIMING, known_figure
 from bench.server_metrics import FIRST_TOKEN_KEYS, KERNEL_COMPILES_KEY
 from bench.workload import SAMPLED
 
@@ -195,7 +195,7 @@ def trial_values(entry: Mapping[str, Any], key: str) -> list[Any]:
     if listed is not None:
         return list(listed)
     value = entry.get(key)
-    if not _number(value) or _trial_count(entry) == 1:
+    if not known_figure(value) or _trial_count(entry) == 1:
         return [value]
     raise ValueError(
         f"{key} folds {entry['trials']} trials without each trial's value ({key}_trials): re-run them, "
@@ -227,13 +227,9 @@ def fold_levels(
     return folded
 
 
-def _number(value: Any) -> bool:
-    return isinstance(value, int | float) and value == value
-
-
 def _present(keys: Sequence[str], levels: Sequence[Mapping[str, Any]]) -> list[str]:
     """The optional figures some level has a number for: the ones a summary folds."""
-    return [key for key in keys if any(_number(level.get(key)) for level in levels)]
+    return [key for key in keys if any(known_figure(level.get(key)) for level in levels)]
 
 
 def fold_offline(trials: Sequence[Mapping[str, Mapping[str, Any]]]) -> dict[str, dict[str, Any]]:
@@ -249,13 +245,16 @@ def fold_offline(trials: Sequence[Mapping[str, Mapping[str, Any]]]) -> dict[str,
         if "concurrency" in first:
             entry["concurrency"] = first["concurrency"]
         entry["trials"] = sum(_trial_count(e) for e in entries)
-        names = [name for name in OFFLINE_KEYS if any(_number(e.get(name)) for e in entries)]
+        names = [name for name in OFFLINE_KEYS if any(known_figure(e.get(name)) for e in entries)]
         names += list(
             dict.fromkeys(
                 name
                 for e in entries
                 for name in e
-                if name != "step_ms" and STEP_TIMING.match(name) and name not in names and _number(e[name])
+                if name != "step_ms"
+                and STEP_TIMING.match(name)
+                and name not in names
+                and known_figure(e[name])
             )
         )
         for name in names:
